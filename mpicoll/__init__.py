@@ -1,0 +1,23 @@
+"""mpicoll: MPI collectives as JAX primitives.
+
+Each collective runs inside jax.jit as an XLA FFI custom call that hands XLA's
+own buffers to MPI, ordered by a JAX effect token so that every rank issues its
+collectives in program order.
+"""
+
+__version__ = "0.1.0"
+
+from .collectives import (  # noqa: E402
+    allgather,
+    allreduce,
+    alltoall,
+    barrier,
+    bcast,
+    gather,
+    reduce,
+    scatter,
+)
+from .comm import default_comm  # noqa: E402
+
+__all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "default_comm", "gather",
+           "reduce", "scatter"]

@@ -1,0 +1,57 @@
+"""Every private JAX API mpicoll uses, in one place.
+
+JAX's internals move between releases; when one of these breaks, this file is
+the only one to change.  Each helper states what it needs from JAX.
+"""
+
+import jax
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import effects as _effects
+from jax._src.interpreters import mlir as _mlir
+
+ShapedArray = _core.ShapedArray
+abstract_token = _core.abstract_token
+Effect = _effects.Effect
+register_lowering = _mlir.register_lowering
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def register_ordered_effect(effect_type):
+    """Make effect_type an ordered effect JAX threads tokens for, everywhere it may appear.
+
+    Ordered: calls run in program order on every rank (tokens thread through the
+    lowering).  Allowed in control flow, custom_vjp/jvp and remat.  Shardable so
+    that JAX accepts it on several devices (pmap/shard_map), as io_callback does.
+    """
+    for effect_set in (
+        _effects.ordered_effects,
+        _effects.lowerable_effects,
+        _effects.control_flow_allowed_effects,
+        _effects.custom_derivatives_allowed_effects,
+        _effects.remat_allowed_effects,
+        _effects.shardable_ordered_effects,
+    ):
+        effect_set.add_type(effect_type)
+
+
+def apply_primitive(primitive, *args, **params):
+    """Eager evaluation of a primitive: JAX compiles it once per signature and caches it."""
+    return _dispatch.apply_primitive(primitive, *args, **params)
+
+
+def token_in(ctx, effect):
+    """The ordering token flowing into this lowering for effect."""
+    return ctx.tokens_in.get(effect)
+
+
+def set_token_out(ctx, effect, token):
+    """Pass the custom call's output token on to the next effectful operation."""
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({effect: token})))
+
+
+def with_token_avals(ctx):
+    """The lowering context as seen by a custom call taking and returning a token first."""
+    return ctx.replace(avals_in=[abstract_token, *ctx.avals_in],
+                       avals_out=[abstract_token, *ctx.avals_out])

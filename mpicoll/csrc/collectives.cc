@@ -1,0 +1,555 @@
+// XLA FFI handlers that run MPI collectives directly on XLA's CPU buffers.
+//
+// Every data collective has the same FFI signature, (token, x) -> (token, out)
+// plus the attributes comm/root/op, so one binding (kDataBinding) and one entry
+// template (DataEntry) serve them all; each collective is a short function that
+// receives a decoded `Call` and returns an MPI error code.  Errors travel one
+// path: a failed MPI call becomes an ffi::Error naming the op, the MPI error
+// string, the rank and the communicator, raised in Python as a runtime error.
+//
+// Counts above INT_MAX elements are handled by chunking: reductions and bcast
+// loop over element ranges; block collectives (gather/scatter/alltoall) move
+// each range of every block with a datatype whose extent is the whole block.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Communicator table.  Python registers each communicator once (per local
+// device) and the compiled program refers to it by slot number, so the hot
+// path is an array index, not a handle conversion.  The table is fixed-size so
+// that registration never moves entries that running handlers may be reading.
+constexpr int kMaxComms = 1024;
+constexpr int kMaxLocalDevices = 256;
+MPI_Comm comm_table[kMaxComms][kMaxLocalDevices];
+
+// mpi4py's `Comm.handle` is the MPI_Comm value as an integer: an int in
+// MPICH, a pointer in Open MPI.
+template <typename Handle>
+Handle HandleFromInteger(unsigned long long value) {
+  if constexpr (std::is_pointer_v<Handle>) {
+    return reinterpret_cast<Handle>(static_cast<uintptr_t>(value));
+  } else {
+    return static_cast<Handle>(value);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Reduction operators.  The codes match mpicoll/_mpi_types.py (OP_CODES).
+enum OpCode : int64_t {
+  kSum = 0, kProd, kMin, kMax, kLand, kLor, kLxor, kBand, kBor, kBxor, kNumOps
+};
+MPI_Op builtin_ops[kNumOps];
+
+// MPI has no 16-bit float types: float16/bfloat16 are moved as 16-bit
+// integers and reduced with native user-defined operators (one per op and
+// type, so the operator knows how to decode its bits).
+enum HalfKind { kF16 = 0, kBF16 = 1 };
+MPI_Op half_ops[2][4];  // [HalfKind][sum, prod, min, max]
+
+float BF16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it quiet and NaN.
+    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {  // inf / NaN
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {  // normal
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {  // zero
+    bits = sign;
+  } else {  // subnormal: value = mant * 2^-24
+    float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;     // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;    // overflow -> inf
+  if (abs < 0x38800000u) {                          // f16 subnormal or zero
+    if (abs < 0x33000000u) return sign;             // rounds to zero
+    uint32_t e = abs >> 23;
+    uint32_t m = (abs & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;                       // 14..24
+    uint32_t half = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return sign | static_cast<uint16_t>(half);
+  }
+  uint32_t half = ((abs >> 13) - (112u << 10));
+  uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+template <HalfKind kind>
+float HalfToFloat(uint16_t h) { return kind == kF16 ? F16ToFloat(h) : BF16ToFloat(h); }
+template <HalfKind kind>
+uint16_t FloatToHalf(float f) { return kind == kF16 ? FloatToF16(f) : FloatToBF16(f); }
+
+struct SumFn { float operator()(float a, float b) const { return a + b; } };
+struct ProdFn { float operator()(float a, float b) const { return a * b; } };
+// min/max propagate NaN, like jnp.minimum/maximum.
+struct MinFn { float operator()(float a, float b) const { return (a != a || a < b) ? a : b; } };
+struct MaxFn { float operator()(float a, float b) const { return (a != a || a > b) ? a : b; } };
+
+template <HalfKind kind, typename Fn>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  Fn fn;
+  for (int i = 0; i < *len; ++i) {
+    b[i] = FloatToHalf<kind>(fn(HalfToFloat<kind>(a[i]), HalfToFloat<kind>(b[i])));
+  }
+}
+
+template <HalfKind kind>
+int CreateHalfOps() {
+  MPI_User_function* fns[4] = {HalfReduce<kind, SumFn>, HalfReduce<kind, ProdFn>,
+                               HalfReduce<kind, MinFn>, HalfReduce<kind, MaxFn>};
+  for (int i = 0; i < 4; ++i) {
+    int rc = MPI_Op_create(fns[i], /*commute=*/1, &half_ops[kind][i]);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// XLA element type -> MPI datatype (for moving data and for builtin ops).
+MPI_Datatype MpiType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return MPI_UINT8_T;  // 0/1 bytes
+    case ffi::DataType::S8: return MPI_INT8_T;
+    case ffi::DataType::S16: return MPI_INT16_T;
+    case ffi::DataType::S32: return MPI_INT32_T;
+    case ffi::DataType::S64: return MPI_INT64_T;
+    case ffi::DataType::U8: return MPI_UINT8_T;
+    case ffi::DataType::U16: return MPI_UINT16_T;
+    case ffi::DataType::U32: return MPI_UINT32_T;
+    case ffi::DataType::U64: return MPI_UINT64_T;
+    case ffi::DataType::F16: return MPI_UINT16_T;
+    case ffi::DataType::BF16: return MPI_UINT16_T;
+    case ffi::DataType::F32: return MPI_FLOAT;
+    case ffi::DataType::F64: return MPI_DOUBLE;
+    case ffi::DataType::C64: return MPI_C_FLOAT_COMPLEX;
+    case ffi::DataType::C128: return MPI_C_DOUBLE_COMPLEX;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+MPI_Op ReductionOp(ffi::DataType t, int64_t op) {
+  if (op < 0 || op >= kNumOps) return MPI_OP_NULL;
+  if (t == ffi::DataType::F16 || t == ffi::DataType::BF16) {
+    if (op > kMax) return MPI_OP_NULL;
+    return half_ops[t == ffi::DataType::F16 ? kF16 : kBF16][op];
+  }
+  return builtin_ops[op];
+}
+
+// ---------------------------------------------------------------------------
+// One decoded call: what every collective body needs.
+struct Call {
+  const char* name;
+  MPI_Comm comm;
+  int rank;
+  int size;
+  int root;
+  int64_t op;
+  MPI_Datatype type;
+  MPI_Op mpi_op;  // MPI_OP_NULL for collectives that do not reduce
+  size_t elem_bytes;
+  char* in;
+  char* out;
+  size_t in_count;
+  size_t out_count;
+};
+
+// Largest element count passed to a single MPI call (fits an int, and keeps
+// a derived block type's byte size far from overflow).
+constexpr size_t kMaxChunk = size_t{1} << 30;
+
+template <typename Fn>
+int ForEachChunk(size_t count, Fn&& fn) {
+  for (size_t offset = 0; offset < count; offset += kMaxChunk) {
+    int rc = fn(offset, static_cast<int>(std::min(kMaxChunk, count - offset)));
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+// A datatype covering `n` elements whose extent is a whole block of `block`
+// elements: with count 1 per rank it addresses the same range in every block.
+struct BlockRangeType {
+  MPI_Datatype contiguous = MPI_DATATYPE_NULL;
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int rc = MPI_SUCCESS;
+  BlockRangeType(MPI_Datatype base, int n, size_t block, size_t elem_bytes) {
+    rc = MPI_Type_contiguous(n, base, &contiguous);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Type_create_resized(contiguous, 0, static_cast<MPI_Aint>(block * elem_bytes), &type);
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&type);
+  }
+  ~BlockRangeType() {
+    if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
+    if (contiguous != MPI_DATATYPE_NULL) MPI_Type_free(&contiguous);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The collectives.  Each receives the decoded call and returns an MPI code.
+// `in_count`/`out_count` are element counts of the whole local buffers.
+
+bool InPlace(const Call& c) { return c.in == c.out; }
+
+int Bcast(const Call& c) {
+  if (!InPlace(c) && c.rank == c.root) std::memcpy(c.out, c.in, c.out_count * c.elem_bytes);
+  return ForEachChunk(c.out_count, [&](size_t off, int n) {
+    return MPI_Bcast(c.out + off * c.elem_bytes, n, c.type, c.root, c.comm);
+  });
+}
+
+int Allreduce(const Call& c) {
+  return ForEachChunk(c.out_count, [&](size_t off, int n) {
+    size_t at = off * c.elem_bytes;
+    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + at;
+    return MPI_Allreduce(send, c.out + at, n, c.type, c.mpi_op, c.comm);
+  });
+}
+
+int Reduce(const Call& c) {
+  const bool is_root = c.rank == c.root;
+  int rc = ForEachChunk(c.out_count, [&](size_t off, int n) {
+    size_t at = off * c.elem_bytes;
+    const void* send = (InPlace(c) && is_root) ? MPI_IN_PLACE : c.in + at;
+    return MPI_Reduce(send, c.out + at, n, c.type, c.mpi_op, c.root, c.comm);
+  });
+  // Output shapes do not depend on the rank; non-root ranks get zeros.
+  if (rc == MPI_SUCCESS && !is_root) std::memset(c.out, 0, c.out_count * c.elem_bytes);
+  return rc;
+}
+
+// Block collectives: every rank's block has `block` elements.  A block that
+// fits one call uses plain counts; a larger one is moved range by range.
+int Gather(const Call& c) {
+  const size_t block = c.in_count;
+  const bool is_root = c.rank == c.root;
+  int rc;
+  if (block <= kMaxChunk) {
+    rc = MPI_Gather(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
+                    c.type, c.root, c.comm);
+  } else {
+    rc = ForEachChunk(block, [&](size_t off, int n) {
+      BlockRangeType range(c.type, n, block, c.elem_bytes);
+      if (range.rc != MPI_SUCCESS) return range.rc;
+      size_t at = off * c.elem_bytes;
+      return MPI_Gather(c.in + at, n, c.type, c.out + at, 1, range.type, c.root, c.comm);
+    });
+  }
+  if (rc == MPI_SUCCESS && !is_root) std::memset(c.out, 0, c.out_count * c.elem_bytes);
+  return rc;
+}
+
+int Allgather(const Call& c) {
+  const size_t block = c.in_count;
+  if (block <= kMaxChunk) {
+    return MPI_Allgather(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
+                         c.type, c.comm);
+  }
+  return ForEachChunk(block, [&](size_t off, int n) {
+    BlockRangeType range(c.type, n, block, c.elem_bytes);
+    if (range.rc != MPI_SUCCESS) return range.rc;
+    size_t at = off * c.elem_bytes;
+    return MPI_Allgather(c.in + at, n, c.type, c.out + at, 1, range.type, c.comm);
+  });
+}
+
+int Scatter(const Call& c) {
+  const size_t block = c.out_count;
+  if (block <= kMaxChunk) {
+    return MPI_Scatter(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
+                       c.type, c.root, c.comm);
+  }
+  return ForEachChunk(block, [&](size_t off, int n) {
+    BlockRangeType range(c.type, n, block, c.elem_bytes);
+    if (range.rc != MPI_SUCCESS) return range.rc;
+    size_t at = off * c.elem_bytes;
+    return MPI_Scatter(c.in + at, 1, range.type, c.out + at, n, c.type, c.root, c.comm);
+  });
+}
+
+int Alltoall(const Call& c) {
+  const size_t block = c.size > 0 ? c.in_count / c.size : 0;
+  if (block <= kMaxChunk) {
+    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in;
+    return MPI_Alltoall(send, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
+                        c.type, c.comm);
+  }
+  return ForEachChunk(block, [&](size_t off, int n) {
+    BlockRangeType range(c.type, n, block, c.elem_bytes);
+    if (range.rc != MPI_SUCCESS) return range.rc;
+    size_t at = off * c.elem_bytes;
+    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + at;
+    return MPI_Alltoall(send, 1, range.type, c.out + at, 1, range.type, c.comm);
+  });
+}
+
+int Barrier(const Call& c) { return MPI_Barrier(c.comm); }
+
+// ---------------------------------------------------------------------------
+// The one error path.
+ffi::Error MpiFailure(const Call& c, int rc) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  char comm_name[MPI_MAX_OBJECT_NAME];
+  int name_len = 0;
+  if (MPI_Comm_get_name(c.comm, comm_name, &name_len) != MPI_SUCCESS || name_len == 0) {
+    std::strcpy(comm_name, "<unnamed>");
+  }
+  return ffi::Error::Internal(std::string("mpicoll.") + c.name + " failed on rank " +
+                              std::to_string(c.rank) + " of communicator " + comm_name + ": " +
+                              std::string(text, len));
+}
+
+ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
+  if (comm_slot < 0 || comm_slot >= kMaxComms || device < 0 || device >= kMaxLocalDevices ||
+      comm_table[comm_slot][device] == MPI_COMM_NULL) {
+    return ffi::Error::InvalidArgument(std::string("mpicoll.") + c.name +
+                                       ": no communicator registered for slot " +
+                                       std::to_string(comm_slot) + " on device " +
+                                       std::to_string(device));
+  }
+  c.comm = comm_table[comm_slot][device];
+  int rc = MPI_Comm_rank(c.comm, &c.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(c.comm, &c.size);
+  if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  return ffi::Error::Success();
+}
+
+// Each collective as a type: its name, whether it reduces, and its body.
+#define MPICOLL_COLLECTIVE(Type, text, reduces, body) \
+  struct Type {                                       \
+    static constexpr const char* kName = text;        \
+    static constexpr bool kReduces = reduces;         \
+    static int Run(const Call& c) { return body(c); } \
+  }
+MPICOLL_COLLECTIVE(BcastOp, "bcast", false, Bcast);
+MPICOLL_COLLECTIVE(ScatterOp, "scatter", false, Scatter);
+MPICOLL_COLLECTIVE(ReduceOp, "reduce", true, Reduce);
+MPICOLL_COLLECTIVE(AllreduceOp, "allreduce", true, Allreduce);
+MPICOLL_COLLECTIVE(GatherOp, "gather", false, Gather);
+MPICOLL_COLLECTIVE(AllgatherOp, "allgather", false, Allgather);
+MPICOLL_COLLECTIVE(AlltoallOp, "alltoall", false, Alltoall);
+#undef MPICOLL_COLLECTIVE
+
+template <typename Op>
+ffi::Error DataEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                     ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
+                     int64_t root, int64_t op) {
+  Call c{};
+  c.name = Op::kName;
+  if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
+  c.root = static_cast<int>(root);
+  c.op = op;
+  c.type = MpiType(x.element_type());
+  c.mpi_op = Op::kReduces ? ReductionOp(x.element_type(), op) : MPI_OP_NULL;
+  if (c.type == MPI_DATATYPE_NULL || (Op::kReduces && c.mpi_op == MPI_OP_NULL)) {
+    // Python validates dtype and op first; this guards direct misuse.
+    return ffi::Error::InvalidArgument(std::string("mpicoll.") + Op::kName +
+                                       ": unsupported dtype/op");
+  }
+  c.elem_bytes = ffi::ByteWidth(x.element_type());
+  c.in = static_cast<char*>(x.untyped_data());
+  c.out = static_cast<char*>(out->untyped_data());
+  c.in_count = x.element_count();
+  c.out_count = out->element_count();
+  // Every rank has the same shapes, so an empty array skips MPI on every rank.
+  if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
+  if (int rc = Op::Run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  return ffi::Error::Success();
+}
+
+ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot) {
+  Call c{};
+  c.name = "barrier";
+  if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
+  if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  return ffi::Error::Success();
+}
+
+// All data collectives share one FFI signature.
+#define MPICOLL_DATA_HANDLER(symbol, Op)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, DataEntry<Op>,    \
+                                ffi::Ffi::Bind()          \
+                                    .Arg<ffi::Token>()    \
+                                    .Arg<ffi::AnyBuffer>() \
+                                    .Ret<ffi::Token>()    \
+                                    .Ret<ffi::AnyBuffer>() \
+                                    .Ctx<ffi::DeviceOrdinal>() \
+                                    .Attr<int64_t>("comm") \
+                                    .Attr<int64_t>("root") \
+                                    .Attr<int64_t>("op"))
+
+MPICOLL_DATA_HANDLER(BcastHandler, BcastOp);
+MPICOLL_DATA_HANDLER(ScatterHandler, ScatterOp);
+MPICOLL_DATA_HANDLER(ReduceHandler, ReduceOp);
+MPICOLL_DATA_HANDLER(AllreduceHandler, AllreduceOp);
+MPICOLL_DATA_HANDLER(GatherHandler, GatherOp);
+MPICOLL_DATA_HANDLER(AllgatherHandler, AllgatherOp);
+MPICOLL_DATA_HANDLER(AlltoallHandler, AlltoallOp);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm"));
+
+// ---------------------------------------------------------------------------
+// Python module: registrations(), initialize(), register_comm(), build_info().
+
+PyObject* Registrations(PyObject*, PyObject*) {
+  struct Entry { const char* name; XLA_FFI_Handler* handler; };
+  const Entry entries[] = {
+      {"mpicoll_bcast", BcastHandler},         {"mpicoll_scatter", ScatterHandler},
+      {"mpicoll_reduce", ReduceHandler},       {"mpicoll_allreduce", AllreduceHandler},
+      {"mpicoll_gather", GatherHandler},       {"mpicoll_allgather", AllgatherHandler},
+      {"mpicoll_alltoall", AlltoallHandler},   {"mpicoll_barrier", BarrierHandler},
+  };
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  for (const Entry& e : entries) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(e.handler), nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(dict, e.name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return dict;
+}
+
+bool initialized = false;
+
+// Called once MPI is initialized (by mpi4py): checks the thread level and
+// creates the operators for 16-bit floats.
+PyObject* Initialize(PyObject*, PyObject*) {
+  if (initialized) Py_RETURN_NONE;
+  int flag = 0;
+  MPI_Initialized(&flag);
+  if (!flag) {
+    PyErr_SetString(PyExc_RuntimeError, "mpicoll: MPI is not initialized");
+    return nullptr;
+  }
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  const MPI_Op builtins[kNumOps] = {MPI_SUM, MPI_PROD, MPI_MIN,  MPI_MAX, MPI_LAND,
+                                    MPI_LOR, MPI_LXOR, MPI_BAND, MPI_BOR, MPI_BXOR};
+  std::copy(builtins, builtins + kNumOps, builtin_ops);
+  if (CreateHalfOps<kF16>() != MPI_SUCCESS || CreateHalfOps<kBF16>() != MPI_SUCCESS) {
+    PyErr_SetString(PyExc_RuntimeError, "mpicoll: MPI_Op_create failed");
+    return nullptr;
+  }
+  for (auto& row : comm_table) std::fill(std::begin(row), std::end(row), MPI_COMM_NULL);
+  initialized = true;
+  return PyLong_FromLong(provided);
+}
+
+PyObject* RegisterComm(PyObject*, PyObject* args) {
+  int slot, device;
+  unsigned long long handle;
+  if (!PyArg_ParseTuple(args, "iiK", &slot, &device, &handle)) return nullptr;
+  if (slot < 0 || slot >= kMaxComms || device < 0 || device >= kMaxLocalDevices) {
+    PyErr_Format(PyExc_ValueError, "mpicoll: communicator slot %d / device %d out of range "
+                 "(at most %d communicators and %d local devices)", slot, device, kMaxComms,
+                 kMaxLocalDevices);
+    return nullptr;
+  }
+  comm_table[slot][device] = HandleFromInteger<MPI_Comm>(handle);
+  Py_RETURN_NONE;
+}
+
+PyObject* BuildInfo(PyObject*, PyObject*) {
+#if defined(OMPI_MAJOR_VERSION)
+  const char* vendor = "Open MPI";
+  PyObject* version = Py_BuildValue("(iii)", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
+                                    OMPI_RELEASE_VERSION);
+#elif defined(MPICH_NUMVERSION)
+  const char* vendor = "MPICH";
+  PyObject* version = Py_BuildValue("(iii)", MPICH_NUMVERSION / 10000000,
+                                    (MPICH_NUMVERSION / 100000) % 100,
+                                    (MPICH_NUMVERSION / 1000) % 100);
+#else
+  const char* vendor = "unknown";
+  PyObject* version = Py_BuildValue("()");
+#endif
+  if (!version) return nullptr;
+  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i}", "mpi_vendor", vendor, "mpi_version",
+                       version, "mpi_standard_version", MPI_VERSION, "mpi_standard_subversion",
+                       MPI_SUBVERSION, "max_comms", kMaxComms, "max_local_devices",
+                       kMaxLocalDevices);
+}
+
+// The reduction operators by name, so Python never duplicates the numbering.
+PyObject* OpCodes(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "sum", kSum, "prod", kProd,
+                       "min", kMin, "max", kMax, "land", kLand, "lor", kLor, "lxor", kLxor,
+                       "band", kBand, "bor", kBor, "bxor", kBxor);
+}
+
+PyMethodDef methods[] = {
+    {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
+    {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
+    {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
+    {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mpicoll_ffi",
+                      "XLA FFI handlers for MPI collectives.", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__mpicoll_ffi() { return PyModule_Create(&module); }
