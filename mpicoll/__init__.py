@@ -14,10 +14,11 @@ from .collectives import (  # noqa: E402
     barrier,
     bcast,
     gather,
+    pvary,
     reduce,
     scatter,
 )
 from .comm import default_comm  # noqa: E402
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "default_comm", "gather",
-           "reduce", "scatter"]
+           "pvary", "reduce", "scatter"]

@@ -1,11 +1,18 @@
 """MPI collectives as ordered JAX primitives.
 
-One mechanism serves every collective: a `Collective` spec says how the output
-shape follows from the input shape and the communicator size, whether the op
-takes a root and a reduction op, and which FFI target runs it.  `_make_primitive`
-turns a spec into a JAX primitive (abstract evaluation, eager evaluation, and a
-lowering to an FFI custom call that threads the MPI ordering token), and
-`_bind` validates the arguments identically on every rank before binding.
+One mechanism serves every collective.  A `Collective` spec gives what differs
+between them: the output shape rule, whether the op takes a root and a
+reduction op, its vmap rule and its transpose; `_make_primitive` turns a spec
+into a JAX primitive with abstract evaluation, eager evaluation, a lowering to
+an FFI custom call that threads the MPI ordering token, batching and AD rules.
+`_bind` validates the arguments identically on every rank before binding, so
+bad input raises the same Python error everywhere and never reaches MPI.
+
+Autodiff follows shard_map's convention: a value identical on every rank (the
+output of allreduce, allgather, bcast) is one value, not `size` copies; a value
+that differs per rank is that rank's own, and rank-varying scalar outputs add
+up across ranks into the global objective.  `pvary` marks a replicated value
+that is then used in a rank-dependent way (its cotangents are summed).
 """
 
 import dataclasses
@@ -30,12 +37,23 @@ class MPIEffect(_compat.Effect):
 mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
 
+_SUM = _dtypes_and_ops.OP_CODES["sum"]
+_OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """The specification of one collective; everything else is shared."""
+    """The specification of one collective; everything else is shared.
+
+    out_shape(shape, size): output shape from the input shape and comm size.
+    batch(x, dim, params): (output, output batch dim) with one MPI call.
+    transpose(ct, params): cotangent of x from the output's cotangent; for a
+        reduction this is the op="sum" case (the other ops are not linear).
+    """
     name: str
-    out_shape: Callable[[tuple, int], tuple]  # (input shape, comm size) -> output shape
+    out_shape: Callable
+    batch: Callable
+    transpose: Callable
     has_root: bool = False
     reduces: bool = False
     leading_axis_is_size: bool = False  # x must have shape (size, ...)
@@ -45,25 +63,124 @@ class Collective:
         return f"mpicoll_{self.name}"
 
 
-def _same(shape, size):
-    return shape
+def _run(name, x, params, **changes):
+    """Bind collective `name` with params (used by rules that call other collectives)."""
+    return PRIMITIVES[name].bind(x, **{**params, **changes})
 
 
-def _stacked(shape, size):
-    return (size, *shape)
+def _rank(params):
+    return comm_layer.info_for_slot(params["comm"]).rank
 
 
-def _unstacked(shape, size):
-    return shape[1:]
+# ---------------------------------------------------------------------------
+# The collectives: shape, batching and transpose rules, one block each.
+
+# bcast: root's x on every rank.  The output is replicated (one value), so its
+# cotangent is the same everywhere and belongs to root's input alone.
+BCAST = Collective(
+    "bcast",
+    out_shape=lambda shape, size: shape,
+    batch=lambda x, dim, params: (_run("bcast", x, params), dim),
+    transpose=lambda ct, params: ct if _rank(params) == params["root"] else jnp.zeros_like(ct),
+    has_root=True,
+)
 
 
-BCAST = Collective("bcast", _same, has_root=True)
-SCATTER = Collective("scatter", _unstacked, has_root=True, leading_axis_is_size=True)
-REDUCE = Collective("reduce", _same, has_root=True, reduces=True)
-ALLREDUCE = Collective("allreduce", _same, reduces=True)
-GATHER = Collective("gather", _stacked, has_root=True)
-ALLGATHER = Collective("allgather", _stacked)
-ALLTOALL = Collective("alltoall", _same, leading_axis_is_size=True)
+# scatter: rank r gets root's x[r].  Batched: keep the rank axis leading.
+def _batch_scatter(x, dim, params):
+    if dim == 0:
+        x, dim = jnp.moveaxis(x, 0, 1), 1
+    return _run("scatter", x, params), dim - 1
+
+
+SCATTER = Collective(
+    "scatter",
+    out_shape=lambda shape, size: shape[1:],
+    batch=_batch_scatter,
+    transpose=lambda ct, params: _run("gather", ct, params),
+    has_root=True,
+    leading_axis_is_size=True,
+)
+
+# reduce: the reduction on root, zeros elsewhere.  Only root's cotangent
+# matters, and it reaches every rank's input.
+REDUCE = Collective(
+    "reduce",
+    out_shape=lambda shape, size: shape,
+    batch=lambda x, dim, params: (_run("reduce", x, params), dim),
+    transpose=lambda ct, params: _run("bcast", ct, params, op=-1),
+    has_root=True,
+    reduces=True,
+)
+
+# allreduce: the reduction on every rank.  The output is one value; with
+# op="sum" each rank's input receives its cotangent unchanged.
+ALLREDUCE = Collective(
+    "allreduce",
+    out_shape=lambda shape, size: shape,
+    batch=lambda x, dim, params: (_run("allreduce", x, params), dim),
+    transpose=lambda ct, params: ct,
+    reduces=True,
+)
+
+# gather: the stack by rank on root, zeros elsewhere.  Batched: the new rank
+# axis is leading, so the batch axis moves one to the right.
+GATHER = Collective(
+    "gather",
+    out_shape=lambda shape, size: (size, *shape),
+    batch=lambda x, dim, params: (_run("gather", x, params), dim + 1),
+    transpose=lambda ct, params: _run("scatter", ct, params),
+    has_root=True,
+)
+
+# allgather: the stack by rank on every rank (one value); each input's
+# cotangent is its own slice.
+ALLGATHER = Collective(
+    "allgather",
+    out_shape=lambda shape, size: (size, *shape),
+    batch=lambda x, dim, params: (_run("allgather", x, params), dim + 1),
+    transpose=lambda ct, params: ct[_rank(params)],
+)
+
+
+# alltoall: out[j] on rank r is x[r] of rank j; its own transpose.
+def _batch_alltoall(x, dim, params):
+    if dim == 0:
+        x, dim = jnp.moveaxis(x, 0, 1), 1
+    return _run("alltoall", x, params), dim
+
+
+ALLTOALL = Collective(
+    "alltoall",
+    out_shape=lambda shape, size: shape,
+    batch=_batch_alltoall,
+    transpose=lambda ct, params: _run("alltoall", ct, params),
+    leading_axis_is_size=True,
+)
+
+SPECS = (BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL)
+
+
+# ---------------------------------------------------------------------------
+# Derivatives of the non-linear reductions (prod, min, max).
+
+def _reduction_tangent(spec, x, y, t, params):
+    """Tangent of reduce/allreduce(x, op) for op in prod/min/max; linear in t."""
+    op = _OP_NAMES[params["op"]]
+    summed = lambda v: _run(spec.name, v, params, op=_SUM)  # noqa: E731
+    if op in ("min", "max"):
+        # Like jnp.max: the selected elements' tangents, ties sharing equally.
+        selected = y if spec is ALLREDUCE else _run("allreduce", x, params)
+        chosen = (x == selected).astype(t.dtype)
+        count = summed(chosen)
+        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
+    if op == "prod":
+        # d(prod_r x_r) = sum_r (product of the other ranks' x) * t_r: exact with zeros.
+        everyone = _run("allgather", x, params, op=-1)
+        own = (jnp.arange(params["size"]) == _rank(params)).reshape((-1,) + (1,) * x.ndim)
+        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
+        return summed(others * t)
+    raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative")
 
 
 # ---------------------------------------------------------------------------
@@ -83,18 +200,42 @@ def _make_primitive(spec):
         _compat.set_token_out(ctx, mpi_effect, token)
         return [out]
 
+    def batch(args, dims, **params):
+        (x,), (dim,) = args, dims
+        return spec.batch(x, dim, params)
+
+    def jvp(primals, tangents, **params):
+        (x,), (t,) = primals, tangents
+        y = primitive.bind(x, **params)
+        if type(t) is _compat.Zero:
+            return y, _compat.zero_tangent(jax.typeof(y))
+        if spec.reduces and params["op"] != _SUM:
+            return y, _reduction_tangent(spec, x, y, t, params)
+        return y, primitive.bind(t, **params)  # linear
+
+    def transpose(ct, x, **params):
+        if spec.reduces and params["op"] != _SUM:
+            raise NotImplementedError(f"mpicoll.{spec.name}: op={_OP_NAMES[params['op']]!r} "
+                                      "is not linear and cannot be transposed")
+        if type(ct) is _compat.Zero:
+            return [_compat.zero_tangent(x.aval)]
+        return [spec.transpose(ct, params)]
+
     primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args, **params))
     primitive.def_effectful_abstract_eval(abstract_eval)
     _compat.register_lowering(primitive, lowering, platform="cpu")
+    _compat.register_batching(primitive, batch)
+    _compat.register_jvp(primitive, jvp)
+    _compat.register_transpose(primitive, transpose)
     return primitive
 
 
-PRIMITIVES = {spec.name: _make_primitive(spec)
-              for spec in (BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL)}
+PRIMITIVES = {spec.name: _make_primitive(spec) for spec in SPECS}
+_SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
 
 
 def _as_array(x, caller):
-    if isinstance(x, jax.Array) or hasattr(x, "aval"):
+    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return x
     try:
         return jnp.asarray(x)
@@ -149,6 +290,31 @@ _compat.register_lowering(barrier_p, _barrier_lowering, platform="cpu")
 
 
 # ---------------------------------------------------------------------------
+# pvary: identity on the value; its cotangent is summed over ranks.  Apply it
+# to a replicated value (e.g. parameters) before using it rank-dependently, so
+# that the gradient collects every rank's contribution (as shard_map does).
+
+pvary_p = Primitive("mpicoll_pvary")
+pvary_p.def_impl(lambda x, **params: x)
+pvary_p.def_abstract_eval(lambda x, **params: x)
+_compat.register_lowering(pvary_p, lambda ctx, x, **params: [x])
+_compat.register_batching(pvary_p, lambda args, dims, **params: (pvary_p.bind(*args, **params),
+                                                                 dims[0]))
+_compat.register_jvp(pvary_p, lambda primals, tangents, **params: (
+    pvary_p.bind(*primals, **params),
+    tangents[0] if type(tangents[0]) is _compat.Zero else pvary_p.bind(tangents[0], **params)))
+
+
+def _pvary_transpose(ct, x, *, comm, size):
+    if type(ct) is _compat.Zero:
+        return [_compat.zero_tangent(x.aval)]
+    return [_run("allreduce", ct, dict(comm=comm, size=size, root=0, op=_SUM))]
+
+
+_compat.register_transpose(pvary_p, _pvary_transpose)
+
+
+# ---------------------------------------------------------------------------
 # Public API (MPI's names and argument order).
 
 def bcast(x, root=0, *, comm=None):
@@ -172,12 +338,12 @@ def allreduce(x, op="sum", *, comm=None):
 
 
 def gather(x, root=0, *, comm=None):
-    """Stack of every rank's x, by rank, on root; zeros elsewhere (MPI_Gather). Output: (size, *x.shape)."""
+    """Stack of every rank's x by rank on root, zeros elsewhere (MPI_Gather). Output: (size, *x.shape)."""
     return _bind(GATHER, x, comm=comm, root=root)
 
 
 def allgather(x, *, comm=None):
-    """Stack of every rank's x, by rank, on every rank (MPI_Allgather). Output: (size, *x.shape)."""
+    """Stack of every rank's x by rank on every rank (MPI_Allgather). Output: (size, *x.shape)."""
     return _bind(ALLGATHER, x, comm=comm)
 
 
@@ -190,3 +356,16 @@ def barrier(*, comm=None):
     """Block until every rank of comm reaches this point (MPI_Barrier), in program order."""
     info = comm_layer.resolve(comm, "barrier")
     barrier_p.bind(comm=info.slot)
+
+
+def pvary(x, *, comm=None):
+    """x unchanged; under autodiff its cotangent is summed over the ranks of comm.
+
+    Use it on a value that is identical on every rank (parameters, a bcast or
+    allreduce result) before using it in a rank-dependent way, so that the
+    gradient collects every rank's contribution.
+    """
+    info = comm_layer.resolve(comm, "pvary")
+    x = _as_array(x, "pvary")
+    _dtypes_and_ops.dtype_family(x.dtype, "pvary")
+    return pvary_p.bind(x, comm=info.slot, size=info.size)

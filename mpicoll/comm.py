@@ -25,10 +25,13 @@ class CommInfo:
 
 
 _free_slots = list(range(_MAX_COMMS - 1, -1, -1))
+_slot_infos = {}  # slot -> CommInfo, for rules that need the rank (e.g. transposes)
 _default_comm = None
 
 
 def _release_slot(comm, keyval, info):
+    # MPI calls this when the communicator is freed: its slot may be reused.
+    _slot_infos.pop(info.slot, None)
     _free_slots.append(info.slot)
 
 
@@ -77,4 +80,10 @@ def _register(comm, caller):
                     name=comm.Get_name() or f"comm#{slot}")
     extension.register_comm(slot, 0, comm.handle)
     comm.Set_attr(_SLOT_KEYVAL, info)
+    _slot_infos[slot] = info
     return info
+
+
+def info_for_slot(slot):
+    """The CommInfo of a registered slot (used by rules that run after binding)."""
+    return _slot_infos[slot]
