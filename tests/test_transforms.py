@@ -1,0 +1,281 @@
+"""vmap and autodiff of every collective, against one-process references.
+
+Every rank regenerates the data of all ranks, X with shape (size, *s); rank r
+feeds X[r] to mpicoll.  The reference is the same global function written in
+one process on X with jax.numpy.  Following the shard_map convention, a
+replicated output (allreduce, allgather, bcast) is one value: its cotangent is
+the same on every rank and the reference differentiates that single value; a
+rank-varying output is the rank's own, and the reference stacks them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+
+jax.config.update("jax_enable_x64", True)
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+ROOT = SIZE - 1  # a root other than 0 whenever there are several ranks
+
+
+def _reduce(X, op):
+    return {"sum": X.sum, "prod": X.prod, "max": X.max, "min": X.min}[op](axis=0)
+
+
+def _zeros_but(r, value):
+    return jnp.where(jnp.arange(SIZE).reshape((-1,) + (1,) * value.ndim) == r, value, 0)
+
+
+# name -> (mpicoll function of the rank's x, one-process function of all ranks' X,
+#          whether the output is replicated, the per-rank input shape)
+CASES = {
+    "allreduce-sum": (lambda x: mpicoll.allreduce(x), lambda X: _reduce(X, "sum"), True, (3, 2)),
+    "allreduce-prod": (lambda x: mpicoll.allreduce(x, "prod"), lambda X: _reduce(X, "prod"), True, (3, 2)),
+    "allreduce-max": (lambda x: mpicoll.allreduce(x, "max"), lambda X: _reduce(X, "max"), True, (3, 2)),
+    "allreduce-min": (lambda x: mpicoll.allreduce(x, "min"), lambda X: _reduce(X, "min"), True, (3, 2)),
+    "reduce-sum": (lambda x: mpicoll.reduce(x, "sum", ROOT),
+                   lambda X: _zeros_but(ROOT, _reduce(X, "sum")), False, (3, 2)),
+    "reduce-prod": (lambda x: mpicoll.reduce(x, "prod", ROOT),
+                    lambda X: _zeros_but(ROOT, _reduce(X, "prod")), False, (3, 2)),
+    "reduce-max": (lambda x: mpicoll.reduce(x, "max", ROOT),
+                   lambda X: _zeros_but(ROOT, _reduce(X, "max")), False, (3, 2)),
+    "bcast": (lambda x: mpicoll.bcast(x, ROOT), lambda X: X[ROOT], True, (3, 2)),
+    "allgather": (lambda x: mpicoll.allgather(x), lambda X: X, True, (3, 2)),
+    "gather": (lambda x: mpicoll.gather(x, ROOT), lambda X: _zeros_but(ROOT, X), False, (3, 2)),
+    "scatter": (lambda x: mpicoll.scatter(x, ROOT), lambda X: X[ROOT], False, (SIZE, 3)),
+    "alltoall": (lambda x: mpicoll.alltoall(x), lambda X: jnp.swapaxes(X, 0, 1), False, (SIZE, 3)),
+}
+LINEAR = [name for name in CASES if not name.endswith(("-prod", "-max", "-min"))]
+
+
+def global_data(shape, dtype, seed):
+    """All ranks' inputs, identical on every rank: X[r] is rank r's input.
+
+    Distinct magnitudes keep max/min free of ties, so derivatives are unique.
+    """
+    rng = np.random.default_rng(seed)
+    X = rng.permutation(np.prod((SIZE, *shape))).reshape((SIZE, *shape)) / 7.0 + 0.5
+    X = X * rng.choice([-1.0, 1.0], size=X.shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        X = X + 1j * rng.normal(size=X.shape)
+    return jnp.asarray(X, dtype)
+
+
+def random_like(shape, dtype, seed):
+    """An array identical on every rank (cotangents, weights)."""
+    rng = np.random.default_rng(seed)
+    value = rng.normal(size=shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        value = value + 1j * rng.normal(size=shape)
+    return jnp.asarray(value, dtype)
+
+
+def tolerance(dtype):
+    return dict(rtol=2e-5, atol=2e-5) if jnp.finfo(dtype).bits <= 32 else dict(rtol=1e-10, atol=1e-10)
+
+
+def allsum(value):
+    return COMM.allreduce(float(value), op=MPI.SUM)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", CASES)
+def test_jvp_matches_one_process_reference(name, dtype):
+    local_fn, global_fn, replicated, shape = CASES[name]
+    X, T = global_data(shape, dtype, 0), global_data(shape, dtype, 1)
+    y, dy = jax.jvp(local_fn, (X[RANK],), (T[RANK],))
+    Y, dY = jax.jvp(global_fn, (X,), (T,))
+    expect_y, expect_dy = (Y, dY) if replicated else (Y[RANK], dY[RANK])
+    np.testing.assert_allclose(y, expect_y, **tolerance(dtype))
+    np.testing.assert_allclose(dy, expect_dy, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", CASES)
+def test_vjp_matches_one_process_reference(name, dtype):
+    local_fn, global_fn, replicated, shape = CASES[name]
+    X = global_data(shape, dtype, 0)
+    y, pullback = jax.vjp(jax.jit(local_fn), X[RANK])
+    Y, global_pullback = jax.vjp(global_fn, X)
+    C = random_like(Y.shape, dtype, 2)  # the cotangent of the global output
+    (ct_x,) = pullback(C if replicated else C[RANK])
+    (ct_X,) = global_pullback(C)
+    np.testing.assert_allclose(ct_x, ct_X[RANK], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_grad_matches_one_process_and_finite_differences(name):
+    """Gradient of a non-linear global objective, checked two independent ways."""
+    local_fn, global_fn, replicated, shape = CASES[name]
+    X = global_data(shape, jnp.float64, 0)
+    out_shape = jax.eval_shape(global_fn, X).shape
+    W = random_like(out_shape, jnp.float64, 3)  # per rank (W[r]) for varying outputs
+
+    def local_objective(x):
+        w = W if replicated else W[RANK]
+        return jnp.sum(jnp.sin(local_fn(x)) * w)
+
+    def global_objective(X):
+        Y = global_fn(X)
+        return jnp.sum(jnp.sin(Y) * W)  # replicated: counted once; varying: summed over ranks
+
+    grad = jax.grad(local_objective)(X[RANK])
+    # Central finite differences along a direction V of all ranks' inputs
+    # (computed before any assertion so that ranks stay in step).
+    V = global_data(shape, jnp.float64, 4)
+    eps = 1e-6
+    value = lambda x: local_objective(x) if not replicated else local_objective(x) / SIZE  # noqa: E731
+    numeric = (allsum(value(X[RANK] + eps * V[RANK])) - allsum(value(X[RANK] - eps * V[RANK]))) / (2 * eps)
+    analytic = allsum(jnp.vdot(grad, V[RANK]))
+
+    np.testing.assert_allclose(grad, jax.grad(global_objective)(X)[RANK], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_complex_vjp_of_linear_collectives(name):
+    local_fn, global_fn, replicated, shape = CASES[name]
+    X = global_data(shape, jnp.complex128, 0)
+    _, pullback = jax.vjp(local_fn, X[RANK])
+    Y, global_pullback = jax.vjp(global_fn, X)
+    C = random_like(Y.shape, jnp.complex128, 2)
+    np.testing.assert_allclose(pullback(C if replicated else C[RANK])[0],
+                               global_pullback(C)[0][RANK], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["allreduce-sum", "allgather", "scatter", "alltoall", "gather"])
+def test_linear_transpose_jacrev_jacfwd_checkpoint(name):
+    local_fn, global_fn, replicated, shape = CASES[name]
+    X = global_data(shape, jnp.float64, 0)
+    Y, global_pullback = jax.vjp(global_fn, X)
+    C = random_like(Y.shape, jnp.float64, 2)
+    # Every collective runs before any assertion, so a failure cannot desynchronize ranks.
+    (transposed,) = jax.linear_transpose(local_fn, X[RANK])(C if replicated else C[RANK])
+    jac_rev = jax.jacrev(local_fn)(X[RANK])
+    jac_fwd = jax.jacfwd(local_fn)(X[RANK])
+    objective = lambda x: jnp.sum(jnp.sin(local_fn(x)))  # noqa: E731
+    grad = jax.grad(objective)(X[RANK])
+    checkpointed = jax.grad(jax.checkpoint(objective))(X[RANK])
+
+    np.testing.assert_allclose(transposed, global_pullback(C)[0][RANK], rtol=1e-12)
+    # J = d Y / d X; its axis `source` indexes the rank whose input is perturbed.
+    J = jax.jacrev(global_fn)(X)
+    source = J.ndim - len(shape) - 1
+    # Reverse (forward) mode seeds the same basis vector on every rank at once:
+    # rank r's Jacobian sums the global one over the output (input) ranks.
+    if replicated:
+        expect_rev, expect_fwd = jnp.take(J, RANK, axis=source), J.sum(axis=source)
+    else:
+        expect_rev, expect_fwd = jnp.take(J, RANK, axis=source).sum(axis=0), J[RANK].sum(axis=source - 1)
+    np.testing.assert_allclose(jac_rev, expect_rev, rtol=1e-12)
+    np.testing.assert_allclose(jac_fwd, expect_fwd, rtol=1e-12)
+    np.testing.assert_allclose(checkpointed, grad, rtol=1e-12)
+
+
+def test_derivative_of_bitwise_reduction_is_zero_for_integers_and_errors_for_nonlinear_transpose():
+    x = jnp.arange(3, dtype=jnp.int32) + RANK
+    y, dy = jax.jvp(lambda v: mpicoll.allreduce(v, "bxor"), (x,),
+                    (np.zeros(3, dtype=jax.dtypes.float0),))
+    np.testing.assert_array_equal(y, functools.reduce(np.bitwise_xor, [np.arange(3) + r for r in range(SIZE)]))
+    with pytest.raises(NotImplementedError, match="allreduce.*max.*not linear"):
+        jax.linear_transpose(lambda v: mpicoll.allreduce(v, "max"), jnp.ones(3))(jnp.ones(3))
+
+
+# ---------------------------------------------------------------------------
+# vmap: one call for the whole batch, equal to a Python loop over the batch.
+
+@pytest.mark.parametrize("in_axis", [0, 1, -1])
+@pytest.mark.parametrize("name", LINEAR + ["allreduce-max", "reduce-prod"])
+def test_vmap_matches_python_loop(name, in_axis):
+    local_fn, _, _, shape = CASES[name]
+    batch = 4
+    X = global_data((batch, *shape), jnp.float64, 0)[RANK]  # (batch, *shape)
+    xb = jnp.moveaxis(X, 0, in_axis)
+    looped = jnp.stack([local_fn(X[b]) for b in range(batch)])
+    mapped = jax.vmap(local_fn, in_axes=in_axis)(xb)
+    mapped_jit = jax.jit(jax.vmap(local_fn, in_axes=in_axis, out_axes=-1))(xb)
+    np.testing.assert_allclose(mapped, looped, rtol=1e-12)
+    np.testing.assert_allclose(mapped_jit, jnp.moveaxis(looped, 0, -1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["allgather", "scatter", "alltoall", "reduce-sum", "allreduce-max"])
+def test_nested_vmap_and_vmap_of_grad(name):
+    local_fn, _, _, shape = CASES[name]
+    X = global_data((2, 3, *shape), jnp.float64, 0)[RANK]
+    nested = jax.vmap(jax.vmap(local_fn, in_axes=1), in_axes=0)(jnp.moveaxis(X, 1, 2))
+    looped = jnp.stack([jnp.stack([local_fn(X[i, j]) for j in range(3)]) for i in range(2)])
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(local_fn(x))))
+    grads, grads_looped = jax.vmap(grad)(X[0]), jnp.stack([grad(X[0, j]) for j in range(3)])
+    np.testing.assert_allclose(nested, looped, rtol=1e-12)
+    np.testing.assert_allclose(grads, grads_looped, rtol=1e-12)
+
+
+def test_vmap_issues_one_mpi_call_for_the_batch():
+    """The lowered program of a vmapped collective contains a single custom call."""
+    fn = jax.jit(jax.vmap(lambda v: mpicoll.allgather(v), in_axes=1))
+    text = fn.lower(jnp.ones((3, 16))).as_text()
+    assert text.count("mpicoll_allgather") == 1
+
+
+# ---------------------------------------------------------------------------
+# pvary and data-parallel training.
+
+def test_pvary_sums_cotangents_of_a_replicated_value_used_per_rank():
+    w = jnp.arange(3.0)  # identical on every rank
+    X = global_data((3,), jnp.float64, 0)
+    local = lambda w: jnp.sum(jnp.sin(mpicoll.pvary(w) * X[RANK]))  # noqa: E731
+    global_ = lambda w: sum(jnp.sum(jnp.sin(w * X[r])) for r in range(SIZE))  # noqa: E731
+    np.testing.assert_allclose(jax.grad(local)(w), jax.grad(global_)(w), rtol=1e-12)
+
+
+def _mlp_loss(params, x, y):
+    (w1, b1), (w2, b2) = params
+    hidden = jnp.tanh(x @ w1 + b1)
+    return jnp.mean((hidden @ w2 + b2 - y) ** 2)
+
+
+def _init_params():
+    rng = np.random.default_rng(7)
+    return [(jnp.asarray(rng.normal(size=(4, 16)) * 0.5), jnp.zeros(16)),
+            (jnp.asarray(rng.normal(size=(16, 1)) * 0.5), jnp.zeros(1))]
+
+
+@pytest.mark.parametrize("style", ["allreduce-grads", "grad-through-collectives"])
+def test_data_parallel_training_matches_single_process(style):
+    rng = np.random.default_rng(11)
+    per_rank = 8
+    X = jnp.asarray(rng.normal(size=(SIZE * per_rank, 4)))
+    Y = jnp.sin(X.sum(axis=1, keepdims=True))
+    x, y = X[RANK * per_rank:(RANK + 1) * per_rank], Y[RANK * per_rank:(RANK + 1) * per_rank]
+    lr = 0.1
+
+    if style == "allreduce-grads":
+        @jax.jit
+        def step(params):
+            grads = jax.grad(_mlp_loss)(params, x, y)
+            grads = jax.tree.map(lambda g: mpicoll.allreduce(g) / SIZE, grads)
+            return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    else:
+        def global_loss(params):
+            local = _mlp_loss(jax.tree.map(mpicoll.pvary, params), x, y)
+            return mpicoll.allreduce(local) / SIZE
+
+        @jax.jit
+        def step(params):
+            grads = jax.grad(global_loss)(params)
+            return jax.tree.map(lambda p, g: p - lr * g, params, grads)
+
+    reference_step = jax.jit(lambda params: jax.tree.map(
+        lambda p, g: p - lr * g, params, jax.grad(_mlp_loss)(params, X, Y)))
+    params = reference = _init_params()
+    for _ in range(5):
+        params, reference = step(params), reference_step(reference)
+    for got, expect in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(got, expect, rtol=1e-10, atol=1e-12)
