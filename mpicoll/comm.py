@@ -1,18 +1,29 @@
-"""Communicator layer: mpi4py communicators -> slots in the extension's table.
+"""Communicator layer: mpi4py communicators -> per-device duplicates -> table slots.
 
 A compiled program names its communicator by a small slot number; the
-extension's table maps the slot to the MPI_Comm handle.  The slot is cached on
-the communicator itself as an MPI attribute, so it is found in O(1) and dropped
-when the communicator is freed (MPI calls the attribute's delete callback).
+extension's table maps (slot, local device) to an MPI_Comm.  Each communicator
+a user passes gets one private duplicate per local device, so that
+
+* mpicoll's messages never match the user's own mpi4py calls on that communicator;
+* under pmap/shard_map, where every local device runs its program on its own
+  thread at the same time, device k of every rank talks on its own communicator
+  (collectives of different devices on one communicator would mix).
+
+The duplicates are made collectively, in the same order on every rank, when a
+communicator is first used (first use is in program order, identical on every
+rank).  The slot is cached on the user's communicator as an MPI attribute, so it
+is found in O(1), and MPI's delete callback releases everything when the user
+frees the communicator.
 """
 
 import dataclasses
 
+import jax
 from mpi4py import MPI
 
 from ._native import extension
 
-_MAX_COMMS = extension.build_info()["max_comms"]
+_BUILD = extension.build_info()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,41 +33,34 @@ class CommInfo:
     size: int
     rank: int
     name: str
+    per_device: tuple  # the private duplicates, one per local device
 
 
-_free_slots = list(range(_MAX_COMMS - 1, -1, -1))
+_free_slots = list(range(_BUILD["max_comms"] - 1, -1, -1))
 _slot_infos = {}  # slot -> CommInfo, for rules that need the rank (e.g. transposes)
-_default_comm = None
 
 
-def _release_slot(comm, keyval, info):
-    # MPI calls this when the communicator is freed: its slot may be reused.
+def _release(comm, keyval, info):
+    # MPI calls this when the user's communicator is freed.
+    for dup in info.per_device:
+        if dup != MPI.COMM_NULL:
+            dup.Free()
     _slot_infos.pop(info.slot, None)
     _free_slots.append(info.slot)
 
 
-_SLOT_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release_slot)
+_SLOT_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release)
 
 
 def default_comm():
-    """mpicoll's own duplicate of COMM_WORLD (made at first use, collectively on all ranks).
-
-    Keeping mpicoll's traffic on its own communicator means it never matches
-    messages of the user's own mpi4py calls on COMM_WORLD.
-    """
-    global _default_comm
-    if _default_comm is None:
-        comm = MPI.COMM_WORLD.Dup()
-        comm.Set_name("mpicoll_world")
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
-        _default_comm = comm
-    return _default_comm
+    """The communicator used when comm=None: COMM_WORLD (mpicoll talks on private duplicates)."""
+    return MPI.COMM_WORLD
 
 
 def resolve(comm, caller):
     """Validate comm (None = default) and return its CommInfo; raises before any MPI traffic."""
     if comm is None:
-        comm = default_comm()
+        comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"mpicoll.{caller}: comm must be an mpi4py MPI.Intracomm, "
                         f"got {type(comm).__name__}")
@@ -72,13 +76,24 @@ def resolve(comm, caller):
 
 
 def _register(comm, caller):
+    local_devices = jax.local_device_count()
+    if local_devices > _BUILD["max_local_devices"]:
+        raise RuntimeError(f"mpicoll.{caller}: {local_devices} local devices; this build "
+                           f"supports {_BUILD['max_local_devices']}")
     if not _free_slots:
-        raise RuntimeError(f"mpicoll.{caller}: more than {_MAX_COMMS} communicators in use; "
-                           "free some with comm.Free()")
+        raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
+                           "in use; free some with comm.Free()")
     slot = _free_slots.pop()
-    info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(),
-                    name=comm.Get_name() or f"comm#{slot}")
-    extension.register_comm(slot, 0, comm.handle)
+    name = comm.Get_name() or f"comm{slot}"
+    per_device = []
+    for device in range(local_devices):  # collective: same order on every rank
+        dup = comm.Dup()
+        dup.Set_name(f"mpicoll:{name}:device{device}")
+        dup.Set_errhandler(MPI.ERRORS_RETURN)
+        extension.register_comm(slot, device, dup.handle)
+        per_device.append(dup)
+    info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(), name=name,
+                    per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)
     _slot_infos[slot] = info
     return info
