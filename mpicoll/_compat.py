@@ -36,6 +36,15 @@ def register_ordered_effect(effect_type):
         effect_set.add_type(effect_type)
 
 
+def aval_with_shape(aval, shape):
+    """aval with a new shape, keeping dtype, weak type and how it varies over manual axes.
+
+    Inside shard_map a per-device collective's output varies over the mesh axes
+    exactly as its input does (device k's result is its own).
+    """
+    return aval.update(shape=tuple(shape))
+
+
 def apply_primitive(primitive, *args, **params):
     """Eager evaluation of a primitive: JAX compiles it once per signature and caches it."""
     return _dispatch.apply_primitive(primitive, *args, **params)

@@ -190,7 +190,7 @@ def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
     def abstract_eval(x, *, comm, size, root, op):
-        return _compat.ShapedArray(spec.out_shape(x.shape, size), x.dtype), {mpi_effect}
+        return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), {mpi_effect}
 
     def lowering(ctx, x, *, comm, size, root, op):
         token = _compat.token_in(ctx, mpi_effect)
