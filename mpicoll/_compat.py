@@ -99,3 +99,21 @@ def register_batching(primitive, rule):
             return out, ([None] * len(out) if primitive.multiple_results else None)
         return rule(args, dims, **params)
     _batching.fancy_primitive_batchers[primitive] = batcher
+
+
+# --- collectives over manual mesh axes (pmap / shard_map) -------------------
+from jax._src import config as _config  # noqa: E402
+from jax._src.lax import parallel as _parallel  # noqa: E402
+
+
+def check_vma_enabled():
+    """True inside shard_map(check_vma=True): values are typed invariant/varying over axes.
+
+    pmap traces as shard_map(check_vma=False), where psum transposes to psum.
+    """
+    return bool(_config._check_vma.value)
+
+
+def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
+    """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
+    return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)

@@ -49,6 +49,12 @@ class Collective:
     batch(x, dim, params): (output, output batch dim) with one MPI call.
     transpose(ct, params): cotangent of x from the output's cotangent; for a
         reduction this is the op="sum" case (the other ops are not linear).
+
+    Every primitive carries the static params comm (table slot), size, root,
+    op (code, -1 if none) and transpose_sums: False for mpicoll's convention
+    (a replicated output is one value); True where the cotangents of a
+    replicated output are summed over ranks, which the global (ranks x devices)
+    collectives need to reproduce psum/all_gather under pmap.
     """
     name: str
     out_shape: Callable
@@ -76,12 +82,15 @@ def _rank(params):
 # The collectives: shape, batching and transpose rules, one block each.
 
 # bcast: root's x on every rank.  The output is replicated (one value), so its
-# cotangent is the same everywhere and belongs to root's input alone.
+# cotangent is the same everywhere and belongs to root's input alone (with
+# transpose_sums, pmap's convention, every rank's cotangent is summed to root).
 BCAST = Collective(
     "bcast",
     out_shape=lambda shape, size: shape,
     batch=lambda x, dim, params: (_run("bcast", x, params), dim),
-    transpose=lambda ct, params: ct if _rank(params) == params["root"] else jnp.zeros_like(ct),
+    transpose=lambda ct, params: (
+        _run("reduce", ct, params, op=_SUM) if params["transpose_sums"]
+        else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
     has_root=True,
 )
 
@@ -114,12 +123,13 @@ REDUCE = Collective(
 )
 
 # allreduce: the reduction on every rank.  The output is one value; with
-# op="sum" each rank's input receives its cotangent unchanged.
+# op="sum" each rank's input receives its cotangent unchanged (or, with
+# transpose_sums, the sum of every rank's cotangent, as psum under pmap).
 ALLREDUCE = Collective(
     "allreduce",
     out_shape=lambda shape, size: shape,
     batch=lambda x, dim, params: (_run("allreduce", x, params), dim),
-    transpose=lambda ct, params: ct,
+    transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
     reduces=True,
 )
 
@@ -134,12 +144,13 @@ GATHER = Collective(
 )
 
 # allgather: the stack by rank on every rank (one value); each input's
-# cotangent is its own slice.
+# cotangent is its own slice (with transpose_sums, of the sum over ranks).
 ALLGATHER = Collective(
     "allgather",
     out_shape=lambda shape, size: (size, *shape),
     batch=lambda x, dim, params: (_run("allgather", x, params), dim + 1),
-    transpose=lambda ct, params: ct[_rank(params)],
+    transpose=lambda ct, params: (
+        _run("allreduce", ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
 )
 
 
@@ -189,10 +200,10 @@ def _reduction_tangent(spec, x, y, t, params):
 def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
-    def abstract_eval(x, *, comm, size, root, op):
+    def abstract_eval(x, *, comm, size, root, op, transpose_sums):
         return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), {mpi_effect}
 
-    def lowering(ctx, x, *, comm, size, root, op):
+    def lowering(ctx, x, *, comm, size, root, op, transpose_sums):
         token = _compat.token_in(ctx, mpi_effect)
         call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True)
         token, out = call(_compat.with_token_avals(ctx), token, x,
@@ -256,7 +267,7 @@ def _check_root(root, size, caller):
     return root
 
 
-def _bind(spec, x, *, comm, root=0, op=None):
+def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
     """Validate (same outcome on every rank, no MPI traffic) and bind the primitive."""
     info = comm_layer.resolve(comm, spec.name)
     x = _as_array(x, spec.name)
@@ -266,7 +277,8 @@ def _bind(spec, x, *, comm, root=0, op=None):
     if spec.leading_axis_is_size and (x.ndim == 0 or x.shape[0] != info.size):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
-    return PRIMITIVES[spec.name].bind(x, comm=info.slot, size=info.size, root=root, op=op_code)
+    return PRIMITIVES[spec.name].bind(x, comm=info.slot, size=info.size, root=root, op=op_code,
+                                      transpose_sums=bool(transpose_sums))
 
 
 # ---------------------------------------------------------------------------
@@ -308,7 +320,8 @@ _compat.register_jvp(pvary_p, lambda primals, tangents, **params: (
 def _pvary_transpose(ct, x, *, comm, size):
     if type(ct) is _compat.Zero:
         return [_compat.zero_tangent(x.aval)]
-    return [_run("allreduce", ct, dict(comm=comm, size=size, root=0, op=_SUM))]
+    return [_run("allreduce", ct, dict(comm=comm, size=size, root=0, op=_SUM,
+                                       transpose_sums=False))]
 
 
 _compat.register_transpose(pvary_p, _pvary_transpose)
@@ -317,8 +330,14 @@ _compat.register_transpose(pvary_p, _pvary_transpose)
 # ---------------------------------------------------------------------------
 # Public API (MPI's names and argument order).
 
-def bcast(x, root=0, *, comm=None):
-    """Root's x on every rank (MPI_Bcast). Output shape: x.shape."""
+def bcast(x, root=0, *, comm=None, axis_name=None):
+    """Root's x on every rank (MPI_Bcast). Output shape: x.shape.
+
+    With axis_name (the local device axis of pmap/shard_map), root is a global
+    participant index rank * local_devices + device.
+    """
+    if axis_name is not None:
+        return global_collectives.bcast(x, root, comm, axis_name)
     return _bind(BCAST, x, comm=comm, root=root)
 
 
@@ -332,8 +351,13 @@ def reduce(x, op="sum", root=0, *, comm=None):
     return _bind(REDUCE, x, comm=comm, root=root, op=op)
 
 
-def allreduce(x, op="sum", *, comm=None):
-    """Reduction of x over ranks on every rank (MPI_Allreduce). Output: x.shape."""
+def allreduce(x, op="sum", *, comm=None, axis_name=None):
+    """Reduction of x over ranks on every rank (MPI_Allreduce). Output: x.shape.
+
+    With axis_name, over every device of every rank (like lax.psum for op="sum").
+    """
+    if axis_name is not None:
+        return global_collectives.allreduce(x, op, comm, axis_name)
     return _bind(ALLREDUCE, x, comm=comm, op=op)
 
 
@@ -342,13 +366,23 @@ def gather(x, root=0, *, comm=None):
     return _bind(GATHER, x, comm=comm, root=root)
 
 
-def allgather(x, *, comm=None):
-    """Stack of every rank's x by rank on every rank (MPI_Allgather). Output: (size, *x.shape)."""
+def allgather(x, *, comm=None, axis_name=None):
+    """Stack of every rank's x by rank on every rank (MPI_Allgather). Output: (size, *x.shape).
+
+    With axis_name: the stack of every participant's x, (size * local_devices, *x.shape).
+    """
+    if axis_name is not None:
+        return global_collectives.allgather(x, comm, axis_name)
     return _bind(ALLGATHER, x, comm=comm)
 
 
-def alltoall(x, *, comm=None):
-    """out[j] on rank r is x[r] of rank j; x has shape (size, *s) (MPI_Alltoall). Output: x.shape."""
+def alltoall(x, *, comm=None, axis_name=None):
+    """out[j] on rank r is x[r] of rank j; x has shape (size, *s) (MPI_Alltoall). Output: x.shape.
+
+    With axis_name, over every participant: x has shape (size * local_devices, *s).
+    """
+    if axis_name is not None:
+        return global_collectives.alltoall(x, comm, axis_name)
     return _bind(ALLTOALL, x, comm=comm)
 
 
@@ -369,3 +403,6 @@ def pvary(x, *, comm=None):
     x = _as_array(x, "pvary")
     _dtypes_and_ops.dtype_family(x.dtype, "pvary")
     return pvary_p.bind(x, comm=info.slot, size=info.size)
+
+
+from . import global_collectives  # noqa: E402  (composes the primitives defined above)

@@ -1,0 +1,111 @@
+"""Global collectives over every device of every process (ranks x local devices).
+
+Inside pmap or shard_map over the L local devices of each of `size` ranks,
+`axis_name` names the local device axis.  The global op spans all size*L
+participants, ordered by (rank, local index): participant p = rank * L + k.
+Each is composed of a lax collective over the local devices and an mpicoll
+per-device collective across ranks (device k of every rank talks on its own
+communicator, all devices in parallel):
+
+  allreduce  small: psum over devices, then MPI allreduce on every device.
+             large: psum_scatter over devices, MPI allreduce of 1/L of the data
+             per device (all devices in parallel), all_gather over devices.
+  allgather  MPI allgather of each device's own x, then all_gather over devices.
+  alltoall   all_to_all over devices, then MPI alltoall across ranks.
+  bcast      the root device's x to its rank's devices, then MPI bcast per device.
+
+Autodiff and vmap follow the matching lax collective over one axis spanning all
+participants: the lax pieces bring their own rules, and the MPI pieces are told
+(transpose_sums) whether cotangents of replicated values are summed (pmap,
+shard_map(check_vma=False)) or taken once (shard_map with check_vma).
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from . import _compat, _dtypes_and_ops, collectives, comm as comm_layer
+
+# Above this many bytes per device, allreduce splits the MPI work over the
+# devices (reduce-scatter / allreduce / all-gather) instead of every device
+# allreducing the whole array.
+SPLIT_ALLREDUCE_BYTES = 256 * 1024
+
+_COMBINE = {
+    "sum": jnp.add, "prod": jnp.multiply, "min": jnp.minimum, "max": jnp.maximum,
+    "land": jnp.logical_and, "lor": jnp.logical_or, "lxor": jnp.logical_xor,
+    "band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor,
+}
+
+
+def _local_axis_size(axis_name, caller):
+    try:
+        return lax.axis_size(axis_name)
+    except (NameError, KeyError, ValueError) as error:
+        raise ValueError(f"mpicoll.{caller}: axis_name={axis_name!r} is not a mapped axis here; "
+                         "use it inside pmap or shard_map over the local devices") from error
+
+
+def allreduce(x, op, comm, axis_name):
+    x = collectives._as_array(x, "allreduce")
+    name = _dtypes_and_ops.op_name(op, "allreduce")
+    _dtypes_and_ops.op_code(name, x.dtype, "allreduce")
+    comm_layer.resolve(comm, "allreduce")
+    local = _local_axis_size(axis_name, "allreduce")
+    vma = _compat.check_vma_enabled()
+    # psum's transpose is psum under pmap, and pvary (identity) with check_vma.
+    per_rank = functools.partial(collectives._bind, collectives.ALLREDUCE, op=name, comm=comm,
+                                 transpose_sums=not vma)
+    if name != "sum":
+        gathered = lax.all_gather(x, axis_name)
+        combined = functools.reduce(_COMBINE[name], [gathered[k] for k in range(local)])
+        return per_rank(combined.astype(x.dtype))
+    if x.size * x.dtype.itemsize < SPLIT_ALLREDUCE_BYTES or local == 1:
+        return per_rank(lax.psum(x, axis_name))
+    flat = x.reshape(-1)
+    padded = -flat.size % local
+    flat = jnp.pad(flat, (0, padded))
+    mine = lax.psum_scatter(flat, axis_name, tiled=True)  # this device's 1/L, summed locally
+    mine = per_rank(mine)  # every device allreduces its own part across ranks, in parallel
+    gather = _compat.all_gather_invariant if vma else lax.all_gather
+    full = gather(mine, axis_name, tiled=True)
+    return full[:x.size].reshape(x.shape)
+
+
+def allgather(x, comm, axis_name):
+    x = collectives._as_array(x, "allgather")
+    local = _local_axis_size(axis_name, "allgather")
+    # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
+    across_ranks = collectives._bind(collectives.ALLGATHER, x, comm=comm, transpose_sums=True)
+    everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
+    size = across_ranks.shape[0]
+    return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
+
+
+def alltoall(x, comm, axis_name):
+    x = collectives._as_array(x, "alltoall")
+    info = comm_layer.resolve(comm, "alltoall")
+    local = _local_axis_size(axis_name, "alltoall")
+    participants = info.size * local
+    if x.ndim == 0 or x.shape[0] != participants:
+        raise ValueError(f"mpicoll.alltoall: with axis_name, x must have shape (size * local "
+                         f"devices, ...) = ({participants}, ...), got {tuple(x.shape)}")
+    blocks = x.reshape((info.size, local, *x.shape[1:]))  # [dest rank, dest device]
+    # Device k' receives, from every local device k, the rows meant for devices k'.
+    blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)  # [dest rank, src device]
+    blocks = collectives._bind(collectives.ALLTOALL, blocks, comm=comm)  # [src rank, src device]
+    return blocks.reshape(x.shape)
+
+
+def bcast(x, root, comm, axis_name):
+    x = collectives._as_array(x, "bcast")
+    info = comm_layer.resolve(comm, "bcast")
+    local = _local_axis_size(axis_name, "bcast")
+    root = collectives._check_root(root, info.size * local, "bcast")
+    root_rank, root_device = divmod(root, local)
+    vma = _compat.check_vma_enabled()
+    mask = lax.axis_index(axis_name) == root_device
+    on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
+    return collectives._bind(collectives.BCAST, on_rank.astype(x.dtype), comm=comm,
+                             root=root_rank, transpose_sums=not vma)
