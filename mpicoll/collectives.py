@@ -16,6 +16,7 @@ that is then used in a rank-dependent way (its cotangents are summed).
 """
 
 import dataclasses
+import functools
 import operator
 from typing import Callable
 
@@ -63,6 +64,7 @@ class Collective:
     has_root: bool = False
     reduces: bool = False
     leading_axis_is_size: bool = False  # x must have shape (size, ...)
+    in_place: bool = False  # output aliases the input buffer (MPI_IN_PLACE)
 
     @property
     def target(self):
@@ -92,6 +94,7 @@ BCAST = Collective(
         _run("reduce", ct, params, op=_SUM) if params["transpose_sums"]
         else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
     has_root=True,
+    in_place=True,
 )
 
 
@@ -120,6 +123,7 @@ REDUCE = Collective(
     transpose=lambda ct, params: _run("bcast", ct, params, op=-1),
     has_root=True,
     reduces=True,
+    in_place=True,
 )
 
 # allreduce: the reduction on every rank.  The output is one value; with
@@ -131,6 +135,7 @@ ALLREDUCE = Collective(
     batch=lambda x, dim, params: (_run("allreduce", x, params), dim),
     transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
     reduces=True,
+    in_place=True,
 )
 
 # gather: the stack by rank on root, zeros elsewhere.  Batched: the new rank
@@ -205,7 +210,12 @@ def _make_primitive(spec):
 
     def lowering(ctx, x, *, comm, size, root, op, transpose_sums):
         token = _compat.token_in(ctx, mpi_effect)
-        call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True)
+        # In-place ops alias their output to x (operand 1 after the token): when
+        # x is donated or dead, as loop carries often are, XLA hands MPI one
+        # buffer and no output is allocated; otherwise XLA copies x first.
+        aliases = {1: 1} if spec.in_place else None
+        call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True,
+                                    operand_output_aliases=aliases)
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op))
         _compat.set_token_out(ctx, mpi_effect, token)
@@ -282,6 +292,68 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
 
 
 # ---------------------------------------------------------------------------
+# Pytrees: leaves of one dtype travel fused in one MPI message (tensor fusion),
+# in buckets of at most FUSION_BYTES, and come back in the tree's structure.
+
+FUSION_BYTES = 64 * 1024 * 1024
+
+
+def _collective(spec, x, **kwargs):
+    """One array -> _bind; a pytree -> validated leaves fused per dtype, one call per bucket."""
+    leaves, treedef = jax.tree.flatten(x)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a single array or scalar
+        return _bind(spec, leaves[0], **kwargs)
+    if not leaves:
+        return x
+    leaves = [_as_array(leaf, spec.name) for leaf in leaves]
+    for leaf in leaves:  # every leaf is checked before any MPI call
+        _check_leaf(spec, leaf, **kwargs)
+    kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
+    if spec.reduces:
+        kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
+    # One compiled program for the whole tree (concatenate, MPI, split), cached.
+    return jax.tree.unflatten(treedef, _fused_program(spec, **kwargs)(tuple(leaves)))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_program(spec, **kwargs):
+    return jax.jit(functools.partial(_fused_leaves, spec, **kwargs))
+
+
+def _check_leaf(spec, leaf, *, comm, root=0, op=None):
+    info = comm_layer.resolve(comm, spec.name)
+    _dtypes_and_ops.dtype_family(leaf.dtype, spec.name)
+    if spec.has_root:
+        _check_root(root, info.size, spec.name)
+    if spec.reduces:
+        _dtypes_and_ops.op_code(op, leaf.dtype, spec.name)
+    if spec.leading_axis_is_size and (leaf.ndim == 0 or leaf.shape[0] != info.size):
+        raise ValueError(f"mpicoll.{spec.name}: every leaf must have shape (comm size, ...) = "
+                         f"({info.size}, ...), got {tuple(leaf.shape)}")
+
+
+def _fused_leaves(spec, leaves, **kwargs):
+    size = comm_layer.resolve(kwargs["comm"], spec.name).size
+    rows = size if spec.leading_axis_is_size else 1  # rank blocks stay leading
+    results = [None] * len(leaves)
+    buckets = {}
+    for index, leaf in enumerate(leaves):
+        bucket = buckets.setdefault(leaf.dtype, [[]])
+        if bucket[-1] and sum(leaves[i].nbytes for i in bucket[-1]) + leaf.nbytes > FUSION_BYTES:
+            bucket.append([])
+        bucket[-1].append(index)
+    for bucket in buckets.values():
+        for indices in bucket:
+            flat = [leaves[i].reshape(rows, -1) for i in indices]
+            fused = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
+            out = _bind(spec, fused if rows > 1 else fused[0], **kwargs)
+            ends = np.cumsum([f.shape[1] for f in flat])[:-1]
+            for i, part in zip(indices, jnp.split(out, ends, axis=-1)):
+                results[i] = part.reshape(spec.out_shape(leaves[i].shape, size))
+    return results
+
+
+# ---------------------------------------------------------------------------
 # Barrier: no data, only the ordering token.
 
 barrier_p = Primitive("mpicoll_barrier")
@@ -338,17 +410,17 @@ def bcast(x, root=0, *, comm=None, axis_name=None):
     """
     if axis_name is not None:
         return global_collectives.bcast(x, root, comm, axis_name)
-    return _bind(BCAST, x, comm=comm, root=root)
+    return _collective(BCAST, x, comm=comm, root=root)
 
 
 def scatter(x, root=0, *, comm=None):
     """Rank r gets root's x[r]; x has shape (size, *s) on every rank (MPI_Scatter). Output: s."""
-    return _bind(SCATTER, x, comm=comm, root=root)
+    return _collective(SCATTER, x, comm=comm, root=root)
 
 
 def reduce(x, op="sum", root=0, *, comm=None):
     """Reduction of x over ranks on root, zeros elsewhere (MPI_Reduce). Output: x.shape."""
-    return _bind(REDUCE, x, comm=comm, root=root, op=op)
+    return _collective(REDUCE, x, comm=comm, root=root, op=op)
 
 
 def allreduce(x, op="sum", *, comm=None, axis_name=None):
@@ -358,12 +430,12 @@ def allreduce(x, op="sum", *, comm=None, axis_name=None):
     """
     if axis_name is not None:
         return global_collectives.allreduce(x, op, comm, axis_name)
-    return _bind(ALLREDUCE, x, comm=comm, op=op)
+    return _collective(ALLREDUCE, x, comm=comm, op=op)
 
 
 def gather(x, root=0, *, comm=None):
     """Stack of every rank's x by rank on root, zeros elsewhere (MPI_Gather). Output: (size, *x.shape)."""
-    return _bind(GATHER, x, comm=comm, root=root)
+    return _collective(GATHER, x, comm=comm, root=root)
 
 
 def allgather(x, *, comm=None, axis_name=None):
@@ -373,7 +445,7 @@ def allgather(x, *, comm=None, axis_name=None):
     """
     if axis_name is not None:
         return global_collectives.allgather(x, comm, axis_name)
-    return _bind(ALLGATHER, x, comm=comm)
+    return _collective(ALLGATHER, x, comm=comm)
 
 
 def alltoall(x, *, comm=None, axis_name=None):
@@ -383,7 +455,7 @@ def alltoall(x, *, comm=None, axis_name=None):
     """
     if axis_name is not None:
         return global_collectives.alltoall(x, comm, axis_name)
-    return _bind(ALLTOALL, x, comm=comm)
+    return _collective(ALLTOALL, x, comm=comm)
 
 
 def barrier(*, comm=None):

@@ -33,7 +33,7 @@ class CommInfo:
     size: int
     rank: int
     name: str
-    per_device: tuple  # the private duplicates, one per local device
+    per_device: tuple = dataclasses.field(compare=False)  # private duplicates, one per device
 
 
 _free_slots = list(range(_BUILD["max_comms"] - 1, -1, -1))
@@ -61,6 +61,8 @@ def resolve(comm, caller):
     """Validate comm (None = default) and return its CommInfo; raises before any MPI traffic."""
     if comm is None:
         comm = MPI.COMM_WORLD
+    if isinstance(comm, CommInfo):  # already resolved (e.g. by the pytree path)
+        return comm
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"mpicoll.{caller}: comm must be an mpi4py MPI.Intracomm, "
                         f"got {type(comm).__name__}")

@@ -1,0 +1,174 @@
+"""Command line: `python -m mpicoll COMMAND`.
+
+    mpiexec -n 2 python -m mpicoll info     what every rank sees, printed by rank 0
+
+`info` answers "is this job wired up right?": which MPI library and thread level,
+how many ranks on which hosts (from MPI itself, cross-checked against the
+launcher's variables), what JAX each rank runs on, and whether one mpicoll
+collective gives the right answer.  It exits non-zero if something is wrong, so
+it doubles as a smoke test of an installation or a batch allocation.
+
+Commands are looked up in COMMANDS by their first argument; everything else is
+reserved (running a script, `python -m mpicoll script.py`, is planned).
+"""
+
+import sys
+
+USAGE = """usage: python -m mpicoll COMMAND
+
+commands:
+  info    the MPI library, thread level, ranks per host, and each rank's JAX backend and
+          devices (run it under mpiexec / srun like any MPI program)"""
+
+_THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
+                  "MPI_THREAD_MULTIPLE")
+
+
+def _rank_report():
+    """What this rank knows about itself (a dict of plain values, sent to rank 0)."""
+    import jax
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    import mpicoll
+    from mpicoll import topology
+
+    topo = topology.topology()
+    check = topology.cross_check(topo)
+    # One collective through XLA and the FFI extension: the installation works
+    # end to end, not just MPI.
+    try:
+        total = int(jax.jit(mpicoll.allreduce)(jnp.ones((), jnp.int32)))
+        collective = None if total == topo.size else f"allreduce of ones gave {total}, not {topo.size}"
+    except Exception as error:  # reported, not raised: every rank must reach the gather
+        collective = f"{type(error).__name__}: {error}"
+    return {
+        "topology": topo,
+        "compared": check.compared,
+        "problems": check.problems,
+        "notes": check.notes,
+        "local_ranks": check.local_ranks,
+        "collective": collective,
+        "thread_level": MPI.Query_thread(),
+        "library": MPI.Get_library_version().strip(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.local_devices()],
+    }
+
+
+def _ranges(ranks):
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def _duplicate_local_ranks(reports):
+    """A launcher's local ranks must number each node's ranks 0..n-1, each once.
+
+    cross_check sees one rank and can only check the range; with every rank's
+    report at hand, duplicates show (e.g. a launcher whose idea of the nodes is
+    not MPI's).
+    """
+    seen = {}
+    for r in reports:
+        for name, value in r["local_ranks"]:
+            seen.setdefault((r["topology"].node, name), []).append(value)
+    return [f"node {node}: {name} values {sorted(values)} are not distinct"
+            for (node, name), values in seen.items() if len(set(values)) != len(values)]
+
+
+def _format(reports):
+    """The report rank 0 prints, from every rank's _rank_report()."""
+    import mpi4py
+    from mpi4py import MPI
+
+    import mpicoll
+
+    first = reports[0]
+    topo = first["topology"]
+    vendor, version = MPI.get_vendor()
+    lines = [
+        f"mpicoll {mpicoll.__version__} ({mpicoll.__path__[0]})",
+        f"MPI library:   {' '.join(first['library'].splitlines()[0].split())}",
+        f"               {vendor} {'.'.join(map(str, version))}, MPI standard "
+        f"{'.'.join(map(str, MPI.Get_version()))}, mpi4py {mpi4py.__version__}",
+    ]
+    levels = sorted({r["thread_level"] for r in reports})
+    lines.append("thread level:  " + ", ".join(_THREAD_LEVELS[lv] for lv in levels)
+                 + ("" if len(levels) == 1 else "  (differs between ranks!)"))
+    hosts = {}
+    for r in reports:
+        hosts.setdefault(r["topology"].hostname, []).append(r["topology"].rank)
+    lines.append(f"ranks:         {topo.size} on {topo.node_count} node(s)")
+    for host, ranks in hosts.items():
+        lines.append(f"  {host}: {len(ranks)} rank(s) [{_ranges(sorted(ranks))}]")
+
+    compared = sorted({name for r in reports for name in r["compared"]})
+    problems = [f"rank {r['topology'].rank}: {p}" for r in reports for p in r["problems"]]
+    problems += [f"rank {r['topology'].rank}: mpicoll collective failed: {r['collective']}"
+                 for r in reports if r["collective"]]
+    problems += _duplicate_local_ranks(reports)
+    verdict = "see PROBLEMS below" if problems else "all agree with MPI"
+    if compared:
+        lines.append(f"launcher vars: {', '.join(compared)}: {verdict}")
+    else:
+        lines.append("launcher vars: " + ("none comparable, see PROBLEMS below" if problems
+                                          else "none set (a singleton, or a launcher that sets none)"))
+    for note in sorted({n for r in reports for n in r["notes"]}):
+        lines.append(f"               note: {note}")
+    if not any(r["collective"] for r in reports):
+        lines.append(f"mpicoll:       allreduce over {topo.size} rank(s) inside jax.jit: ok")
+
+    lines.append("per rank:")
+    width = len(str(topo.size - 1))
+    for r in reports:
+        t = r["topology"]
+        lines.append(f"  rank {t.rank:>{width}}  node {t.node} local {t.local_rank}/{t.local_size}"
+                     f"  jax {r['jax']} {r['backend']}: {', '.join(r['devices'])}")
+    if problems:
+        lines.append("PROBLEMS:")
+        lines += [f"  {p}" for p in problems]
+    return "\n".join(lines), not problems
+
+
+def info(argv):
+    """`info`: gather every rank's report on rank 0 and print it; exit 1 on a problem."""
+    if argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    reports = world.gather(_rank_report(), root=0)
+    ok = True
+    if world.Get_rank() == 0:
+        text, ok = _format(reports)
+        print(text, flush=True)
+    ok = world.bcast(ok, root=0)  # every rank exits with the same status
+    return 0 if ok else 1
+
+
+COMMANDS = {"info": info}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"python -m mpicoll: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
