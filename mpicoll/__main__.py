@@ -8,13 +8,18 @@ launcher's variables), what JAX each rank runs on, and whether one mpicoll
 collective gives the right answer.  It exits non-zero if something is wrong, so
 it doubles as a smoke test of an installation or a batch allocation.
 
-Commands are looked up in COMMANDS by their first argument; everything else is
-reserved (running a script, `python -m mpicoll script.py`, is planned).
+`python -m mpicoll script.py [args]` (or `-m module [args]`) runs a script so
+that an uncaught exception on any rank prints its traceback and aborts the
+whole job, whatever MPICOLL_ABORT_ON_ERROR says (as mpi4py's `-m mpi4py` does).
+
+Commands are looked up in COMMANDS by their first argument.
 """
 
 import sys
 
 USAGE = """usage: python -m mpicoll COMMAND
+       python -m mpicoll script.py [args]     run a script; an uncaught exception aborts the job
+       python -m mpicoll -m module [args]
 
 commands:
   info    the MPI library, thread level, ranks per host, and each rank's JAX backend and
@@ -158,12 +163,33 @@ def info(argv):
 COMMANDS = {"info": info}
 
 
+def run(argv):
+    """Run a script or module (`-m name`) as __main__ with abort-on-error installed."""
+    import runpy
+
+    from . import failures
+
+    failures.install_abort_on_error()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            print(f"python -m mpicoll: -m needs a module name\n{USAGE}", file=sys.stderr)
+            return 2
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
+    if command is None and (argv[0] == "-m" or argv[0].endswith(".py")):
+        return run(argv)
     if command is None:
         print(f"python -m mpicoll: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -16,6 +16,10 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <thread>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -367,6 +371,135 @@ ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Check mode: before each collective the ranks compare a fingerprint of what
+// they are about to call (op, dtype, shape, root, reduction, communicator).  On
+// a mismatch every rank gets an error listing what each rank called, instead
+// of a hang or garbage.  Off by default (it costs one small allreduce).
+std::atomic<bool> check_mode{false};
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "?";
+  }
+}
+
+const char* const kOpNames[kNumOps] = {"sum", "prod", "min", "max", "land",
+                                       "lor", "lxor", "band", "bor", "bxor"};
+
+std::string CommName(MPI_Comm comm) {
+  char name[MPI_MAX_OBJECT_NAME];
+  int len = 0;
+  if (MPI_Comm_get_name(comm, name, &len) != MPI_SUCCESS || len == 0) return "<unnamed>";
+  return std::string(name, len);
+}
+
+constexpr int kDescriptionBytes = 256;
+
+// Compares `description` across the ranks of c.comm; an error lists them all.
+ffi::Error CheckSameCall(const Call& c, const std::string& description) {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : description) hash = (hash ^ ch) * 1099511628211ull;
+  long long value = static_cast<long long>(hash >> 2);  // keep -value representable
+  long long extremes[2] = {value, -value};
+  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, c.comm);
+  if (rc != MPI_SUCCESS) return ffi::Error::Internal("mpicoll check mode: MPI_Allreduce failed");
+  if (extremes[0] == -extremes[1]) return ffi::Error::Success();
+  std::string all(static_cast<size_t>(kDescriptionBytes) * c.size, '\0');
+  char mine[kDescriptionBytes] = {};
+  std::strncpy(mine, description.c_str(), kDescriptionBytes - 1);
+  rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes, MPI_CHAR,
+                     c.comm);
+  std::string message = std::string("mpicoll check mode: ranks called different collectives on ") +
+                        CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "):";
+  for (int r = 0; rc == MPI_SUCCESS && r < c.size; ++r) {
+    message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
+  }
+  return ffi::Error::InvalidArgument(message);
+}
+
+std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const int64_t> dims,
+                     bool reduces, bool rooted) {
+  std::string text = std::string(c.name) + "(" + DtypeName(dtype) + "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? "," : "") + std::to_string(dims[i]);
+  text += "]";
+  if (reduces && c.op >= 0 && c.op < kNumOps) text += std::string(", op=") + kOpNames[c.op];
+  if (rooted) text += ", root=" + std::to_string(c.root);
+  return text + ")";
+}
+
+// ---------------------------------------------------------------------------
+// Timeout: each device records the collective it is in; a watchdog thread
+// aborts the job when one has waited longer than the timeout, saying what it
+// waited on.  A hung collective then costs the timeout, not the allocation.
+struct InFlight {
+  std::atomic<int64_t> started_ns{0};
+  std::atomic<const char*> name{nullptr};
+  std::atomic<int> rank{-1};
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+InFlight in_flight[kMaxLocalDevices];
+std::atomic<double> timeout_seconds{0.0};
+std::atomic<bool> watchdog_started{false};
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Watchdog() {
+  for (;;) {
+    double limit = timeout_seconds.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(limit > 0 && limit < 2 ? 20 : 200));
+    if (limit <= 0) continue;
+    int64_t now = NowNs();
+    for (int d = 0; d < kMaxLocalDevices; ++d) {
+      int64_t started = in_flight[d].started_ns.load();
+      if (started == 0 || (now - started) * 1e-9 < limit) continue;
+      int world_rank = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+      std::fprintf(stderr,
+                   "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
+                   "(MPICOLL_TIMEOUT=%g); aborting the job\n",
+                   world_rank, in_flight[d].rank.load(), CommName(in_flight[d].comm).c_str(), d,
+                   (now - started) * 1e-9, in_flight[d].name.load(), limit);
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+  }
+}
+
+// Marks a device as inside a collective for the watchdog, for one scope.
+struct InFlightScope {
+  InFlight* slot = nullptr;
+  InFlightScope(const Call& c, int32_t device) {
+    if (timeout_seconds.load(std::memory_order_relaxed) <= 0) return;
+    slot = &in_flight[device];
+    slot->name.store(c.name);
+    slot->rank.store(c.rank);
+    slot->comm = c.comm;
+    slot->started_ns.store(NowNs());
+  }
+  ~InFlightScope() {
+    if (slot) slot->started_ns.store(0);
+  }
+};
+
 // Each collective as a type: its name, whether it reduces, and its body.
 #define MPICOLL_COLLECTIVE(Type, text, reduces, body) \
   struct Type {                                       \
@@ -404,6 +537,13 @@ ffi::Error DataEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   c.out = static_cast<char*>(out->untyped_data());
   c.in_count = x.element_count();
   c.out_count = out->element_count();
+  InFlightScope watched(c, device);
+  if (check_mode.load(std::memory_order_relaxed)) {
+    constexpr bool kRooted = std::is_same_v<Op, BcastOp> || std::is_same_v<Op, ScatterOp> ||
+                             std::is_same_v<Op, ReduceOp> || std::is_same_v<Op, GatherOp>;
+    std::string description = Describe(c, x.element_type(), x.dimensions(), Op::kReduces, kRooted);
+    if (ffi::Error err = CheckSameCall(c, description); err.failure()) return err;
+  }
   // Every rank has the same shapes, so an empty array skips MPI on every rank.
   if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
   if (int rc = Op::Run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
@@ -414,6 +554,10 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   Call c{};
   c.name = "barrier";
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
+  InFlightScope watched(c, device);
+  if (check_mode.load(std::memory_order_relaxed)) {
+    if (ffi::Error err = CheckSameCall(c, "barrier()"); err.failure()) return err;
+  }
   if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }
@@ -539,7 +683,24 @@ PyObject* OpCodes(PyObject*, PyObject*) {
                        "band", kBand, "bor", kBor, "bxor", kBxor);
 }
 
+PyObject* SetCheckMode(PyObject*, PyObject* arg) {
+  int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  check_mode.store(on != 0);
+  Py_RETURN_NONE;
+}
+
+PyObject* SetTimeout(PyObject*, PyObject* arg) {
+  double seconds = PyFloat_AsDouble(arg);
+  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
+  timeout_seconds.store(seconds > 0 ? seconds : 0.0);
+  if (seconds > 0 && !watchdog_started.exchange(true)) std::thread(Watchdog).detach();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"set_check_mode", SetCheckMode, METH_O, "Compare a fingerprint of each call across ranks."},
+    {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
     {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},

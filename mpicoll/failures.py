@@ -1,0 +1,83 @@
+"""Never hang, never fail silently: abort on error, check mode, timeout.
+
+* Abort on error: an uncaught exception on any rank prints the rank and the
+  traceback and aborts the whole job (MPI_Abort), instead of leaving the other
+  ranks waiting in a collective until the wall-clock limit.  On by default when
+  the job has more than one rank; MPICOLL_ABORT_ON_ERROR=0 turns it off.
+* Check mode (MPICOLL_CHECK=1 or set_check_mode(True)): before each collective
+  the ranks compare a fingerprint of (op, dtype, shape, root, reduction,
+  communicator); a mismatch raises on every rank, listing what each rank called.
+* Timeout (MPICOLL_TIMEOUT=seconds or set_timeout(seconds)): a collective not
+  completed in time reports the op, rank and communicator and aborts the job.
+"""
+
+import os
+import sys
+import threading
+import traceback
+
+from mpi4py import MPI
+
+from ._native import extension
+
+
+def _env_flag(name, default):
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_check_mode(enabled=True):
+    """Compare each collective's fingerprint across ranks before running it."""
+    extension.set_check_mode(bool(enabled))
+
+
+def set_timeout(seconds):
+    """Abort the job when a collective waits more than `seconds` (None or 0: never)."""
+    seconds = float(seconds or 0)
+    if seconds < 0:
+        raise ValueError(f"mpicoll.set_timeout: seconds must be >= 0, got {seconds}")
+    extension.set_timeout(seconds)
+
+
+def abort_on_error(exc_type, exc, tb, *, thread=None):
+    """Print the rank and traceback of an uncaught exception, then abort every rank."""
+    world = MPI.COMM_WORLD
+    where = f" in thread {thread.name}" if thread is not None else ""
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(f"mpicoll: uncaught exception on rank {world.Get_rank()} of "
+                     f"{world.Get_size()}{where}; aborting the job\n{text}")
+    sys.stderr.flush()
+    world.Abort(1)
+
+
+def install_abort_on_error():
+    """Route uncaught exceptions (main thread and other threads) to abort_on_error."""
+    previous_hook = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            return previous_hook(exc_type, exc, tb)
+        abort_on_error(exc_type, exc, tb)
+
+    def thread_excepthook(args):
+        if args.exc_type is SystemExit:
+            return
+        abort_on_error(args.exc_type, args.exc_value, args.exc_traceback, thread=args.thread)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+
+
+def configure_from_environment():
+    if _env_flag("MPICOLL_ABORT_ON_ERROR", MPI.COMM_WORLD.Get_size() > 1):
+        install_abort_on_error()
+    set_check_mode(_env_flag("MPICOLL_CHECK", False))
+    timeout = os.environ.get("MPICOLL_TIMEOUT", "").strip()
+    if timeout:
+        try:
+            set_timeout(float(timeout))
+        except ValueError:
+            raise ValueError(f"MPICOLL_TIMEOUT must be a number of seconds, got {timeout!r}") \
+                from None
