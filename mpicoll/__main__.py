@@ -44,7 +44,8 @@ def _rank_report():
     # end to end, not just MPI.
     try:
         total = int(jax.jit(mpicoll.allreduce)(jnp.ones((), jnp.int32)))
-        collective = None if total == topo.size else f"allreduce of ones gave {total}, not {topo.size}"
+        collective = (None if total == topo.size
+                      else f"allreduce of ones gave {total}, not {topo.size}")
     except Exception as error:  # reported, not raised: every rank must reach the gather
         collective = f"{type(error).__name__}: {error}"
     return {
@@ -124,8 +125,9 @@ def _format(reports):
     if compared:
         lines.append(f"launcher vars: {', '.join(compared)}: {verdict}")
     else:
-        lines.append("launcher vars: " + ("none comparable, see PROBLEMS below" if problems
-                                          else "none set (a singleton, or a launcher that sets none)"))
+        lines.append("launcher vars: " + (
+            "none comparable, see PROBLEMS below" if problems
+            else "none set (a singleton, or a launcher that sets none)"))
     for note in sorted({n for r in reports for n in r["notes"]}):
         lines.append(f"               note: {note}")
     if not any(r["collective"] for r in reports):

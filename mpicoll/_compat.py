@@ -45,6 +45,16 @@ def aval_with_shape(aval, shape):
     return aval.update(shape=tuple(shape))
 
 
+def at_top_level():
+    """True outside every JAX trace (jit, grad, vmap, ...): values are concrete."""
+    return _core.trace_state_clean()
+
+
+def create_token():
+    """A fresh token for a custom call that needs no ordering (synchronous eager calls)."""
+    return _mlir.create_token()
+
+
 def apply_primitive(primitive, *args, **params):
     """Eager evaluation of a primitive: JAX compiles it once per signature and caches it."""
     return _dispatch.apply_primitive(primitive, *args, **params)

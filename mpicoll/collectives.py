@@ -73,7 +73,7 @@ class Collective:
 
 def _run(name, x, params, **changes):
     """Bind collective `name` with params (used by rules that call other collectives)."""
-    return PRIMITIVES[name].bind(x, **{**params, **changes})
+    return PRIMITIVES[name].bind(x, **{**params, **changes, "ordered": True})
 
 
 def _rank(params):
@@ -205,11 +205,12 @@ def _reduction_tangent(spec, x, y, t, params):
 def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
-    def abstract_eval(x, *, comm, size, root, op, transpose_sums):
-        return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), {mpi_effect}
+    def abstract_eval(x, *, comm, size, root, op, transpose_sums, ordered):
+        effects = {mpi_effect} if ordered else set()
+        return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), effects
 
-    def lowering(ctx, x, *, comm, size, root, op, transpose_sums):
-        token = _compat.token_in(ctx, mpi_effect)
+    def lowering(ctx, x, *, comm, size, root, op, transpose_sums, ordered):
+        token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # In-place ops alias their output to x (operand 1 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
         # buffer and no output is allocated; otherwise XLA copies x first.
@@ -218,7 +219,8 @@ def _make_primitive(spec):
                                     operand_output_aliases=aliases)
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op))
-        _compat.set_token_out(ctx, mpi_effect, token)
+        if ordered:
+            _compat.set_token_out(ctx, mpi_effect, token)
         return [out]
 
     def batch(args, dims, **params):
@@ -260,7 +262,7 @@ def _as_array(x, caller):
         return x
     try:
         return jnp.asarray(x)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise TypeError(f"mpicoll.{caller}: x must be an array or a scalar, "
                         f"got {type(x).__name__}") from error
 
@@ -287,8 +289,29 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
     if spec.leading_axis_is_size and (x.ndim == 0 or x.shape[0] != info.size):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
-    return PRIMITIVES[spec.name].bind(x, comm=info.slot, size=info.size, root=root, op=op_code,
-                                      transpose_sums=bool(transpose_sums))
+    params = dict(comm=info.slot, size=info.size, root=root, op=op_code,
+                  transpose_sums=bool(transpose_sums))
+    if _compat.at_top_level() and isinstance(x, jax.Array):
+        return _eager(spec.name, tuple(params.items()), x)
+    return PRIMITIVES[spec.name].bind(x, **params, ordered=True)
+
+
+def _eager(name, params, x):
+    """A call outside any trace: one cached program, run synchronously.
+
+    Completing the call before returning keeps MPI order across eager calls
+    without JAX's ordered-effect tokens, so JAX's C++ dispatch fast path
+    applies (microseconds instead of the Python path).  Jitted work that is
+    still pending finishes first, so it cannot be overtaken.
+    """
+    jax.effects_barrier()
+    return _eager_program(name, params)(x).block_until_ready()
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_program(name, params):
+    primitive = PRIMITIVES[name]
+    return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False))
 
 
 # ---------------------------------------------------------------------------
@@ -346,7 +369,7 @@ def _fused_leaves(spec, leaves, **kwargs):
         for indices in bucket:
             flat = [leaves[i].reshape(rows, -1) for i in indices]
             fused = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
-            out = _bind(spec, fused if rows > 1 else fused[0], **kwargs)
+            out = _bind(spec, fused if spec.leading_axis_is_size else fused[0], **kwargs)
             ends = np.cumsum([f.shape[1] for f in flat])[:-1]
             for i, part in zip(indices, jnp.split(out, ends, axis=-1)):
                 results[i] = part.reshape(spec.out_shape(leaves[i].shape, size))

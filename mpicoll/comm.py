@@ -37,16 +37,19 @@ class CommInfo:
 
 
 _free_slots = list(range(_BUILD["max_comms"] - 1, -1, -1))
+_generations = [0] * _BUILD["max_comms"]  # key = generation * max_comms + slot
 _slot_infos = {}  # slot -> CommInfo, for rules that need the rank (e.g. transposes)
 
 
 def _release(comm, keyval, info):
-    # MPI calls this when the user's communicator is freed.
+    # MPI calls this when the user's communicator is freed.  Programs compiled
+    # for it now fail (their key is stale) rather than run on another communicator.
+    extension.unregister_comm(info.slot)
     for dup in info.per_device:
         if dup != MPI.COMM_NULL:
             dup.Free()
     _slot_infos.pop(info.slot, None)
-    _free_slots.append(info.slot)
+    _free_slots.append(info.slot % _BUILD["max_comms"])
 
 
 _SLOT_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release)
@@ -85,7 +88,11 @@ def _register(comm, caller):
     if not _free_slots:
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")
-    slot = _free_slots.pop()
+    index = _free_slots.pop()
+    # A reused slot gets a new key, so programs compiled for its previous
+    # communicator fail instead of running on this one.
+    _generations[index] += 1
+    slot = _generations[index] * _BUILD["max_comms"] + index
     name = comm.Get_name() or f"comm{slot}"
     per_device = []
     for device in range(local_devices):  # collective: same order on every rank

@@ -30,8 +30,9 @@ class Topology:
     """This process's place in a communicator, as MPI sees it."""
     rank: int
     size: int
-    local_rank: int   # index among the ranks on this node, in rank order (a launcher's
-                      # own local rank may order them otherwise: see cross_check)
+    # local_rank: index among the ranks on this node, in rank order (a launcher's
+    # own local rank may order them otherwise: see cross_check)
+    local_rank: int
     local_size: int   # how many ranks share this node
     node: int         # index of this node, nodes numbered by their lowest rank
     node_count: int
@@ -82,8 +83,9 @@ class CrossCheck:
     compared: tuple   # names of the variables compared with MPI's values
     problems: tuple   # one sentence per disagreement, with its likely cause
     notes: tuple      # variables present but not comparable, and why
-    local_ranks: tuple = ()  # (variable, value) of the launchers' local ranks, for a
-                             # caller that gathers them to check they are distinct
+    # (variable, value) of the launchers' local ranks, for a caller that gathers
+    # them from every rank to check they are distinct
+    local_ranks: tuple = ()
 
     @property
     def ok(self):

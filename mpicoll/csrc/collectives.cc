@@ -34,12 +34,26 @@ namespace {
 
 // ---------------------------------------------------------------------------
 // Communicator table.  Python registers each communicator once (per local
-// device) and the compiled program refers to it by slot number, so the hot
-// path is an array index, not a handle conversion.  The table is fixed-size so
-// that registration never moves entries that running handlers may be reading.
+// device) and the compiled program refers to it by a key, so the hot path is
+// an array index, not a handle conversion.  key = generation * kMaxComms +
+// slot: a slot is reused after its communicator is freed, but with a new
+// generation, so a program compiled for the freed communicator finds a
+// mismatch and fails instead of running on another communicator.  Rows are
+// allocated at registration and never moved or freed.
 constexpr int kMaxComms = 1024;
 constexpr int kMaxLocalDevices = 256;
-MPI_Comm comm_table[kMaxComms][kMaxLocalDevices];
+struct CommRow {
+  std::atomic<int64_t> key{-1};
+  MPI_Comm comms[kMaxLocalDevices];
+};
+std::atomic<CommRow*> comm_table[kMaxComms];
+
+MPI_Comm LookupComm(int64_t key, int32_t device) {
+  if (key < 0 || device < 0 || device >= kMaxLocalDevices) return MPI_COMM_NULL;
+  CommRow* row = comm_table[key % kMaxComms].load(std::memory_order_acquire);
+  if (!row || row->key.load(std::memory_order_acquire) != key) return MPI_COMM_NULL;
+  return row->comms[device];
+}
 
 // mpi4py's `Comm.handle` is the MPI_Comm value as an integer: an int in
 // MPICH, a pointer in Open MPI.
@@ -253,12 +267,32 @@ int Bcast(const Call& c) {
   });
 }
 
+// MPI applies no operator when a communicator has one rank, so logical ops on
+// integers would return the input unchanged; give 0/1 as with several ranks.
+template <typename Word>
+void ToTruth(char* data, size_t count) {
+  Word* words = reinterpret_cast<Word*>(data);
+  for (size_t i = 0; i < count; ++i) words[i] = words[i] != 0;
+}
+
+int NormalizeLogical(const Call& c) {
+  if (c.size != 1 || (c.op != kLand && c.op != kLor && c.op != kLxor)) return MPI_SUCCESS;
+  switch (c.elem_bytes) {
+    case 1: ToTruth<uint8_t>(c.out, c.out_count); break;
+    case 2: ToTruth<uint16_t>(c.out, c.out_count); break;
+    case 4: ToTruth<uint32_t>(c.out, c.out_count); break;
+    case 8: ToTruth<uint64_t>(c.out, c.out_count); break;
+  }
+  return MPI_SUCCESS;
+}
+
 int Allreduce(const Call& c) {
-  return ForEachChunk(c.out_count, [&](size_t off, int n) {
+  int rc = ForEachChunk(c.out_count, [&](size_t off, int n) {
     size_t at = off * c.elem_bytes;
     const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + at;
     return MPI_Allreduce(send, c.out + at, n, c.type, c.mpi_op, c.comm);
   });
+  return rc == MPI_SUCCESS ? NormalizeLogical(c) : rc;
 }
 
 int Reduce(const Call& c) {
@@ -270,7 +304,7 @@ int Reduce(const Call& c) {
   });
   // Output shapes do not depend on the rank; non-root ranks get zeros.
   if (rc == MPI_SUCCESS && !is_root) std::memset(c.out, 0, c.out_count * c.elem_bytes);
-  return rc;
+  return rc == MPI_SUCCESS ? NormalizeLogical(c) : rc;
 }
 
 // Block collectives: every rank's block has `block` elements.  A block that
@@ -357,14 +391,14 @@ ffi::Error MpiFailure(const Call& c, int rc) {
 }
 
 ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
-  if (comm_slot < 0 || comm_slot >= kMaxComms || device < 0 || device >= kMaxLocalDevices ||
-      comm_table[comm_slot][device] == MPI_COMM_NULL) {
+  c.comm = LookupComm(comm_slot, device);
+  if (c.comm == MPI_COMM_NULL) {
     return ffi::Error::InvalidArgument(std::string("mpicoll.") + c.name +
                                        ": no communicator registered for slot " +
                                        std::to_string(comm_slot) + " on device " +
-                                       std::to_string(device));
+                                       std::to_string(device) +
+                                       " (freed, or the program outlived its communicator)");
   }
-  c.comm = comm_table[comm_slot][device];
   int rc = MPI_Comm_rank(c.comm, &c.rank);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_size(c.comm, &c.size);
   if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
@@ -636,22 +670,43 @@ PyObject* Initialize(PyObject*, PyObject*) {
     PyErr_SetString(PyExc_RuntimeError, "mpicoll: MPI_Op_create failed");
     return nullptr;
   }
-  for (auto& row : comm_table) std::fill(std::begin(row), std::end(row), MPI_COMM_NULL);
   initialized = true;
   return PyLong_FromLong(provided);
 }
 
 PyObject* RegisterComm(PyObject*, PyObject* args) {
-  int slot, device;
+  long long key;
+  int device;
   unsigned long long handle;
-  if (!PyArg_ParseTuple(args, "iiK", &slot, &device, &handle)) return nullptr;
-  if (slot < 0 || slot >= kMaxComms || device < 0 || device >= kMaxLocalDevices) {
-    PyErr_Format(PyExc_ValueError, "mpicoll: communicator slot %d / device %d out of range "
-                 "(at most %d communicators and %d local devices)", slot, device, kMaxComms,
-                 kMaxLocalDevices);
+  if (!PyArg_ParseTuple(args, "LiK", &key, &device, &handle)) return nullptr;
+  if (key < 0 || device < 0 || device >= kMaxLocalDevices) {
+    PyErr_Format(PyExc_ValueError, "mpicoll: communicator key %lld / device %d out of range "
+                 "(at most %d local devices)", key, device, kMaxLocalDevices);
     return nullptr;
   }
-  comm_table[slot][device] = HandleFromInteger<MPI_Comm>(handle);
+  CommRow* row = comm_table[key % kMaxComms].load();
+  if (!row) {
+    row = new CommRow;
+    std::fill(row->comms, row->comms + kMaxLocalDevices, MPI_COMM_NULL);
+    comm_table[key % kMaxComms].store(row, std::memory_order_release);
+  }
+  if (row->key.load() != key) {  // a new generation of this slot
+    row->key.store(-1);
+    std::fill(row->comms, row->comms + kMaxLocalDevices, MPI_COMM_NULL);
+  }
+  row->comms[device] = HandleFromInteger<MPI_Comm>(handle);
+  row->key.store(key, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
+PyObject* UnregisterComm(PyObject*, PyObject* args) {
+  long long key;
+  if (!PyArg_ParseTuple(args, "L", &key)) return nullptr;
+  if (key < 0) Py_RETURN_NONE;
+  if (CommRow* row = comm_table[key % kMaxComms].load()) {
+    int64_t expected = key;
+    row->key.compare_exchange_strong(expected, -1);
+  }
   Py_RETURN_NONE;
 }
 
@@ -705,6 +760,7 @@ PyMethodDef methods[] = {
     {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
     {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
     {nullptr, nullptr, 0, nullptr}};
 
