@@ -19,6 +19,7 @@ from .collectives import (  # noqa: E402
     scatter,
 )
 from .comm import default_comm  # noqa: E402
+from . import topology  # noqa: E402
 from .failures import set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
 

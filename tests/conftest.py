@@ -1,0 +1,222 @@
+"""Shared helpers for the mpicoll test suite.
+
+Every test runs unchanged under plain `pytest` (one rank) and under
+`mpiexec -n N python -m pytest --with-mpi` for any N: each rank runs the same
+tests in the same order, so their collectives match.
+
+The numpy reference is independent of MPI: `rank_data` is deterministic in
+(shape, dtype, rank, seed, kind), so every rank regenerates every other rank's
+input and computes the expected result of a collective locally.
+
+Two rules keep a multi-rank run from hanging when a test fails: a test issues
+all its collectives before it asserts anything, and whether a test runs or is
+skipped never depends on the rank.
+"""
+
+import zlib
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # the 64-bit dtypes need it
+
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpicoll  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+SIZE = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+
+# ---------------------------------------------------------------------------
+# The semantics table, written out independently of mpicoll's own tables.
+
+BOOL_DTYPES = [np.dtype(np.bool_)]
+SIGNED_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64)]
+UNSIGNED_DTYPES = [np.dtype(t) for t in (np.uint8, np.uint16, np.uint32, np.uint64)]
+INTEGER_DTYPES = SIGNED_DTYPES + UNSIGNED_DTYPES
+FLOAT_DTYPES = [np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)]
+COMPLEX_DTYPES = [np.dtype(t) for t in (np.complex64, np.complex128)]
+ALL_DTYPES = BOOL_DTYPES + INTEGER_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES
+
+# One representative per family (for the tests that do not need every dtype).
+REPRESENTATIVE_DTYPES = [np.dtype(np.bool_), np.dtype(np.int32), np.dtype(np.uint8),
+                         np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64),
+                         np.dtype(np.complex64)]
+
+OPS = ("sum", "prod", "min", "max", "land", "lor", "lxor", "band", "bor", "bxor")
+MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
+           "land": MPI.LAND, "lor": MPI.LOR, "lxor": MPI.LXOR, "band": MPI.BAND,
+           "bor": MPI.BOR, "bxor": MPI.BXOR}
+
+_VALID_DTYPES = {
+    "sum": INTEGER_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES,
+    "prod": INTEGER_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES,
+    "min": BOOL_DTYPES + INTEGER_DTYPES + FLOAT_DTYPES,
+    "max": BOOL_DTYPES + INTEGER_DTYPES + FLOAT_DTYPES,
+    **{op: BOOL_DTYPES + INTEGER_DTYPES for op in ("land", "lor", "lxor", "band", "bor", "bxor")},
+}
+VALID_PAIRS = [(op, dt) for op in OPS for dt in ALL_DTYPES if dt in _VALID_DTYPES[op]]
+INVALID_PAIRS = [(op, dt) for op in OPS for dt in ALL_DTYPES if dt not in _VALID_DTYPES[op]]
+
+COLLECTIVES = ("bcast", "scatter", "reduce", "allreduce", "gather", "allgather", "alltoall")
+ROOTED = ("bcast", "scatter", "reduce", "gather")
+REDUCING = ("reduce", "allreduce")
+MOVEMENT = ("bcast", "scatter", "gather", "allgather", "alltoall")
+STACKED_INPUT = ("scatter", "alltoall")  # x must have shape (size, *s)
+
+
+def pair_id(pair):
+    op, dtype = pair
+    return f"{op}-{dtype}"
+
+
+def input_shape(name, shape, size=SIZE):
+    """The input shape a collective needs to work on blocks of `shape`."""
+    return (size, *shape) if name in STACKED_INPUT else tuple(shape)
+
+
+def call(name, x, root=0, op="sum", comm=None):
+    """One collective with MPI's argument order; root/op only where the API takes them."""
+    fn = getattr(mpicoll, name)
+    if name == "reduce":
+        return fn(x, op, root, comm=comm)
+    if name == "allreduce":
+        return fn(x, op, comm=comm)
+    if name in ROOTED:
+        return fn(x, root, comm=comm)
+    return fn(x, comm=comm)
+
+
+# ---------------------------------------------------------------------------
+# Deterministic per-rank data.
+
+def _rng(shape, dtype, rank, seed, kind):
+    key = zlib.crc32(repr((tuple(shape), np.dtype(dtype).name, kind)).encode())
+    return np.random.default_rng([seed, rank, key])
+
+
+def rank_data(shape, dtype, rank, seed=0, kind=None):
+    """Rank `rank`'s input: deterministic, exact under every reduction at small rank counts.
+
+    kind: None for data movement (values encode the rank, so a block from the
+    wrong rank is caught), or the reduction op the data is meant for: small
+    integers (halves for floats) so float16/bfloat16 sums are exact, {-1, 1, 2}
+    (units for complex) so products cannot overflow, and 0/1 for the logical
+    ops.  Bool data is random bits.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(shape)
+    rng = _rng(shape, dtype, rank, seed, kind)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    signed = dtype.kind in "ifc"
+    if kind == "prod":
+        if dtype.kind == "c":
+            units = np.array([1, -1, 1j, -1j])
+            return units[rng.integers(0, 4, shape)].astype(dtype)
+        choices = np.array([-1, 1, 2] if signed else [1, 2])
+        return choices[rng.integers(0, len(choices), shape)].astype(dtype)
+    if kind in ("land", "lor", "lxor"):  # 0/1 (see test_logical_ops_give_truth_values)
+        return rng.integers(0, 2, shape).astype(dtype)
+    if kind is None:  # movement: the tens digit carries the rank
+        base = (rank % 6) * 20
+        values = base + rng.integers(0, 20, shape)
+    else:  # sum/min/max/bitwise
+        values = rng.integers(-4, 5, shape) if signed else rng.integers(0, 9, shape)
+    if dtype.kind == "f":
+        values = values + rng.integers(0, 2, shape) / 2  # halves: still exact
+    if dtype.kind == "c":
+        imag = rng.integers(-8, 9, shape) / 2
+        return (values + 1j * imag).astype(dtype)
+    return values.astype(dtype)
+
+
+def all_ranks_data(shape, dtype, seed=0, kind=None, size=SIZE):
+    """Every rank's input stacked by rank: what the numpy reference starts from."""
+    return np.stack([rank_data(shape, dtype, r, seed, kind) for r in range(size)])
+
+
+# ---------------------------------------------------------------------------
+# The numpy reference.
+
+def _wide(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        return np.complex128
+    if dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16):
+        return np.float64
+    if dtype.kind == "u":
+        return np.uint64
+    if dtype.kind == "i":
+        return np.int64
+    return np.bool_
+
+
+def reduce_reference(stack, op):
+    """Reduce a (size, *shape) stack over ranks with op, in the stack's dtype."""
+    dtype = stack.dtype
+    if op in ("land", "lor", "lxor"):
+        ufunc = {"land": np.logical_and, "lor": np.logical_or, "lxor": np.logical_xor}[op]
+        return ufunc.reduce(stack != 0, axis=0).astype(dtype)
+    if op in ("band", "bor", "bxor"):
+        ufunc = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+        return ufunc.reduce(stack, axis=0).astype(dtype)
+    wide = stack.astype(_wide(dtype))
+    result = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op](wide, axis=0)
+    return np.asarray(result).astype(dtype)
+
+
+def expected(name, stack, rank=RANK, root=0, op="sum"):
+    """What collective `name` returns on `rank`, given every rank's input stacked by rank."""
+    if name == "bcast":
+        return stack[root]
+    if name == "scatter":
+        return stack[root][rank]
+    if name == "allreduce":
+        return reduce_reference(stack, op)
+    if name == "reduce":
+        result = reduce_reference(stack, op)
+        return result if rank == root else np.zeros_like(result)
+    if name == "gather":
+        return stack if rank == root else np.zeros_like(stack)
+    if name == "allgather":
+        return stack
+    if name == "alltoall":
+        return np.stack([stack[j][rank] for j in range(stack.shape[0])])
+    raise ValueError(name)
+
+
+def assert_same(actual, expect):
+    """Same dtype, same shape, same values (16-bit floats compared as float32)."""
+    expect = np.asarray(expect)
+    assert isinstance(actual, jax.Array), type(actual)
+    actual = np.asarray(actual)
+    assert actual.dtype == expect.dtype, (actual.dtype, expect.dtype)
+    assert actual.shape == expect.shape, (actual.shape, expect.shape)
+    if actual.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        actual, expect = actual.astype(np.float32), expect.astype(np.float32)
+    np.testing.assert_array_equal(actual, expect)
+
+
+def assert_in_step(seed=0):
+    """A collective after whatever came before gives the right answer: ranks are in step."""
+    x = rank_data((3,), np.int32, RANK, seed, kind="sum")
+    out = mpicoll.allreduce(x)
+    assert_same(out, reduce_reference(all_ranks_data((3,), np.int32, seed, kind="sum"), "sum"))
+
+
+def same_on_every_rank(value):
+    """True if value (picklable) is equal on every rank of COMM_WORLD."""
+    values = WORLD.allgather(value)
+    return all(v == values[0] for v in values)
+
+
+MODES = ("eager", "jit")
+
+
+def maybe_jit(fn, mode):
+    return jax.jit(fn) if mode == "jit" else fn
+

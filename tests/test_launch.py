@@ -1,0 +1,253 @@
+"""mpicoll.topology, `python -m mpicoll info` and launch/mpirun.sh.
+
+The topology tests run in every suite (serial and under mpiexec with any rank
+count): they compare MPI's view with the hostnames of all ranks and with the
+variables of whatever launcher started the test run.  The launcher tests start
+MPI jobs or fake mpiexecs of their own, so they run from the serial suite only.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpicoll import topology
+from mpicoll.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIRUN = ROOT / "launch" / "mpirun.sh"
+WORLD = MPI.COMM_WORLD
+serial_only = pytest.mark.skipif(WORLD.Get_size() > 1,
+                                 reason="starts processes of its own: serial suite only")
+
+
+# ---------------------------------------------------------------------------
+# topology: every suite.
+
+def test_topology_matches_mpi_and_hostnames():
+    t = topology.topology()
+    hosts = WORLD.allgather(MPI.Get_processor_name())
+    assert (t.rank, t.size) == (WORLD.Get_rank(), WORLD.Get_size())
+    same_host = [r for r, h in enumerate(hosts) if h == hosts[t.rank]]
+    assert t.local_size == len(same_host)
+    assert t.local_rank == same_host.index(t.rank)
+    assert t.node_count == len(set(hosts))
+    assert 0 <= t.node < t.node_count
+    assert t.hostname == hosts[t.rank]
+
+
+def test_topology_of_a_subcommunicator():
+    sub = WORLD.Split(WORLD.Get_rank() % 2, WORLD.Get_rank())
+    try:
+        t = topology.topology(sub)
+        hosts = sub.allgather(MPI.Get_processor_name())
+        assert (t.rank, t.size) == (sub.Get_rank(), sub.Get_size())
+        assert t.local_size == hosts.count(hosts[t.rank])
+        assert t.node_count == len(set(hosts))
+    finally:
+        sub.Free()
+
+
+def test_world_topology_is_cached_and_agrees_with_this_launcher():
+    assert topology.world() is topology.world()
+    check = topology.cross_check()
+    assert check.ok, check.problems
+    if WORLD.Get_size() > 1:  # every launcher we run under sets something comparable
+        assert check.compared
+
+
+# ---------------------------------------------------------------------------
+# cross_check with launchers' variables as they set them (no MPI traffic).
+
+def _topo(rank=0, size=2, local_rank=0, local_size=2, node=0, node_count=1):
+    return topology.Topology(rank, size, local_rank, local_size, node, node_count, "host")
+
+
+def test_cross_check_hydra_consistent():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    check = topology.cross_check(_topo(rank=1, local_rank=1), env)
+    assert check.ok and set(check.compared) == set(env)
+
+
+def test_cross_check_open_mpi():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    # Open MPI may order a node's ranks otherwise than MPI's rank order: fine.
+    check = topology.cross_check(_topo(rank=3, size=4, local_rank=0, local_size=2), env)
+    assert check.ok, check.problems
+    assert check.local_ranks == (("OMPI_COMM_WORLD_LOCAL_RANK", 1),)
+    # A rank or a node size that differs is not.
+    check = topology.cross_check(_topo(rank=2, size=4, local_rank=0, local_size=3), env)
+    assert check.problems == ("OMPI_COMM_WORLD_RANK=3 (Open MPI's mpirun) but MPI says 2",
+                              "OMPI_COMM_WORLD_LOCAL_SIZE=2 (Open MPI's mpirun) but MPI says 3")
+    check = topology.cross_check(_topo(rank=3, size=4, local_rank=0, local_size=1), env)
+    assert len(check.problems) == 2 and "MPI sees 1 rank(s) on this node" in check.problems[0]
+
+
+def test_info_catches_duplicate_local_ranks():
+    from mpicoll.__main__ import _duplicate_local_ranks
+    reports = [{"topology": _topo(rank=r, local_rank=r), "local_ranks": (("MPI_LOCALRANKID", v),)}
+               for r, v in ((0, 0), (1, 0))]
+    assert _duplicate_local_ranks(reports) == [
+        "node 0: MPI_LOCALRANKID values [0, 0] are not distinct"]
+    reports[1]["local_ranks"] = (("MPI_LOCALRANKID", 1),)
+    assert _duplicate_local_ranks(reports) == []
+
+
+def test_cross_check_foreign_mpiexec():
+    """An mpiexec of another MPI: N processes, each a singleton."""
+    check = topology.cross_check(_topo(size=1, local_size=1), {"PMI_RANK": "1", "PMI_SIZE": "2"})
+    assert len(check.problems) == 1
+    assert "different MPI" in check.problems[0] and "launch/mpirun.sh" in check.problems[0]
+
+
+def test_cross_check_srun_without_pmi2():
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}
+    check = topology.cross_check(_topo(size=1, local_size=1), env)
+    assert len(check.problems) == 1 and "srun --mpi=pmi2" in check.problems[0]
+
+
+def test_cross_check_srun_consistent():
+    env = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+           "PMI_RANK": "3", "PMI_SIZE": "4"}
+    check = topology.cross_check(_topo(rank=3, size=4, local_rank=1, node=1, node_count=2), env)
+    assert check.ok, check.problems
+    assert {"SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_NODES",
+            "SLURM_STEP_TASKS_PER_NODE[1]"} <= set(check.compared)
+
+
+def test_cross_check_mpiexec_inside_allocation():
+    """hydra started by srun, one proxy per node: SLURM_PROCID is the proxy's, not compared."""
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+           "PMI_RANK": "1", "PMI_SIZE": "2"}
+    check = topology.cross_check(_topo(rank=1, local_rank=1), env)
+    assert check.ok and "SLURM_PROCID" not in check.compared
+    assert check.notes and "not compared" in check.notes[0]
+
+
+def test_expand_tasks_per_node():
+    assert topology._expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert topology._expand_tasks_per_node("4") == [4]
+
+
+# ---------------------------------------------------------------------------
+# python -m mpicoll
+
+def test_main_dispatch(capsys):
+    assert main([]) == 2 and "usage" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    assert main(["no-such-command"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+@serial_only
+def test_info_serial():
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "info"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "MPI_THREAD_MULTIPLE" in result.stdout
+    assert "ranks:         1 on 1 node(s)" in result.stdout
+    assert "jax " in result.stdout and "cpu" in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# launch/mpirun.sh, for real and with a fake mpiexec that reports what it got.
+
+def _launch_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "MPIR_CVAR_", "SLURM_", "MPICOLL_", "PMI"))}
+    env["MPICOLL_VENV"] = sys.prefix
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if mpiexec.exists():
+        env["MPICOLL_MPIEXEC"] = str(mpiexec)
+    env.update(extra)
+    return env
+
+
+@serial_only
+def test_mpirun_sh_runs_info_on_two_ranks():
+    result = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-m", "mpicoll", "info"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=_launch_env(MPICOLL_LAUNCH_TIMEOUT="280"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "ranks:         2 on 1 node(s)" in out
+    assert f"  {MPI.Get_processor_name()}: 2 rank(s) [0-1]" in out
+    assert "all agree with MPI" in out and "PROBLEMS" not in out
+    assert "allreduce over 2 rank(s) inside jax.jit: ok" in out
+    assert out.count("jax ") == 2  # one line per rank
+
+
+FAKE_MPIEXEC = """#!/bin/sh
+if [ "$1" = --version ]; then echo "$FAKE_VERSION"; exit 0; fi
+echo "args: $*"
+echo "root: ${OMPI_ALLOW_RUN_AS_ROOT:-}/${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-}"
+echo "yield: ${MPIR_CVAR_ENABLE_HEAVY_YIELD:-}"
+[ -n "${FAKE_SLEEP:-}" ] && exec sleep "$FAKE_SLEEP"
+exit 0
+"""
+OPEN_MPI = "mpiexec (Open MPI) 5.0.11"
+MPICH = "HYDRA build details:\n    Version: 5.0.2"
+
+
+@pytest.fixture
+def fake_mpiexec(tmp_path):
+    path = tmp_path / "mpiexec"
+    path.write_text(FAKE_MPIEXEC)
+    path.chmod(0o755)
+    return path
+
+
+def _fake_run(fake, version, *args, **extra):
+    env = _launch_env(MPICOLL_MPIEXEC=str(fake), FAKE_VERSION=version, **extra)
+    return subprocess.run([str(MPIRUN), *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+CORES = len(os.sched_getaffinity(0))
+
+
+@serial_only
+def test_mpirun_sh_open_mpi_flags(fake_mpiexec):
+    over = _fake_run(fake_mpiexec, OPEN_MPI, "-n", str(CORES + 1), "python", "x.py")
+    assert over.returncode == 0, over.stderr
+    assert f"args: --oversubscribe -n {CORES + 1} python x.py" in over.stdout
+    if os.geteuid() == 0:
+        assert "root: 1/1" in over.stdout
+    fits = _fake_run(fake_mpiexec, OPEN_MPI, "-np", "1", "python", "x.py")
+    assert "args: -np 1 python x.py" in fits.stdout
+    # Inside an allocation the scheduler decides the slots: no --oversubscribe.
+    slurm = _fake_run(fake_mpiexec, OPEN_MPI, "-n", str(CORES + 1), "python", SLURM_JOB_ID="7")
+    assert "--oversubscribe" not in slurm.stdout
+
+
+@serial_only
+def test_mpirun_sh_mpich_flags(fake_mpiexec):
+    over = _fake_run(fake_mpiexec, MPICH, "-n", str(CORES + 1), "python", "x.py")
+    assert f"args: -n {CORES + 1} python x.py" in over.stdout
+    assert "yield: 1" in over.stdout and "root: /" in over.stdout
+    fits = _fake_run(fake_mpiexec, MPICH, "-n", "1", "python", "x.py")
+    assert "yield: \n" in fits.stdout
+
+
+@serial_only
+def test_mpirun_sh_timeout(fake_mpiexec):
+    start = time.monotonic()
+    result = _fake_run(fake_mpiexec, MPICH, "-n", "1", "python", MPICOLL_LAUNCH_TIMEOUT="1",
+                       FAKE_SLEEP="30")
+    assert result.returncode == 124
+    assert "ended by MPICOLL_LAUNCH_TIMEOUT=1 s" in result.stderr
+    assert time.monotonic() - start < 15
+
+
+@serial_only
+def test_mpirun_sh_without_venv(tmp_path):
+    env = _launch_env(MPICOLL_VENV=str(tmp_path / "missing"))
+    result = subprocess.run([str(MPIRUN), "-n", "1", "true"], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 2 and "no venv" in result.stderr
