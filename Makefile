@@ -177,7 +177,7 @@ test: install
 	    label="mpicoll tests [$(MPI), $(notdir $(PYTHON)), $$n rank(s)]"; \
 	    logs='$(VENV)/test-logs'/n$$n; rm -rf "$$logs"; mkdir -p "$$logs"; \
 	    if [ "$$n" = 1 ]; then \
-	        cmd="$(VPY) -m pytest $(PYTEST_ARGS) $(TESTS)"; \
+	        cmd="$(VPY) -m pytest -rs $(PYTEST_ARGS) $(TESTS)"; \
 	    else \
 	        extra=""; if [ "$$n" -gt "$$cores" ]; then extra="$(OVERSUBSCRIBED_ENV)"; fi; \
 	        cmd="env RANK_LOG_DIR=$$logs $$extra $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; \
