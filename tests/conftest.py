@@ -19,7 +19,6 @@ import jax
 
 jax.config.update("jax_enable_x64", True)  # the 64-bit dtypes need it
 
-import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402

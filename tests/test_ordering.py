@@ -59,6 +59,25 @@ def test_twenty_independent_collectives_in_one_program():
             assert_same(out, expected(name, stack, root=root))
 
 
+def test_eager_and_jitted_calls_alternating():
+    """Jitted programs (dispatched asynchronously) and eager calls, interleaved with
+    changing roots, run in program order: nothing is waited for until the end."""
+    steps = 4 * SIZE
+    data = [all_ranks_data((3,), np.int64, seed=40 + i) for i in range(steps)]
+    jitted = {root: jax.jit(lambda x, root=root: (mpicoll.bcast(x, root), mpicoll.allreduce(x)))
+              for root in range(SIZE)}
+    outs = []
+    for i in range(steps):
+        root = (i * 3 + 1) % SIZE
+        if i % 2:
+            outs.append(jitted[root](data[i][RANK]))
+        else:
+            outs.append((mpicoll.bcast(data[i][RANK], root), mpicoll.allreduce(data[i][RANK])))
+    for i, (b, total) in enumerate(outs):
+        assert_same(b, data[i][(i * 3 + 1) % SIZE])
+        assert_same(total, data[i].sum(0))
+
+
 def test_fori_loop_with_switch_over_roots():
     """Each iteration: an allreduce, then a bcast whose root is chosen by lax.switch."""
     steps = 2 * SIZE + 1

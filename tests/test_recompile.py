@@ -85,3 +85,15 @@ def test_different_parameters_do_compile():
         mpicoll.reduce(x, "max", 0).block_until_ready()
     assert same == 0
     assert len(compiled) >= 1
+
+
+def test_repeated_eager_pytree_calls_compile_once():
+    tree = {"a": np.ones((5, 9), np.float32), "b": [np.ones(9, np.int16), np.float32(2)]}
+    with count_compilations() as compiled:
+        jax.block_until_ready(mpicoll.allreduce(tree))
+        first = len(compiled)
+        for i in range(4):
+            jax.block_until_ready(mpicoll.allreduce(jax.tree.map(lambda v: v * i, tree)))
+        again = len(compiled) - first
+    assert first >= 1, "the compile counter saw nothing: it does not count"
+    assert again == 0
