@@ -47,7 +47,6 @@ class Collective:
     """The specification of one collective; everything else is shared.
 
     out_shape(shape, size): output shape from the input shape and comm size.
-    batch(x, dim, params): (output, output batch dim) with one MPI call.
     transpose(ct, params): cotangent of x from the output's cotangent; for a
         reduction this is the op="sum" case (the other ops are not linear).
 
@@ -59,7 +58,6 @@ class Collective:
     """
     name: str
     out_shape: Callable
-    batch: Callable
     transpose: Callable
     has_root: bool = False
     reduces: bool = False
@@ -89,7 +87,6 @@ def _rank(params):
 BCAST = Collective(
     "bcast",
     out_shape=lambda shape, size: shape,
-    batch=lambda x, dim, params: (_run("bcast", x, params), dim),
     transpose=lambda ct, params: (
         _run("reduce", ct, params, op=_SUM) if params["transpose_sums"]
         else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
@@ -98,17 +95,10 @@ BCAST = Collective(
 )
 
 
-# scatter: rank r gets root's x[r].  Batched: keep the rank axis leading.
-def _batch_scatter(x, dim, params):
-    if dim == 0:
-        x, dim = jnp.moveaxis(x, 0, 1), 1
-    return _run("scatter", x, params), dim - 1
-
-
+# scatter: rank r gets root's x[r].
 SCATTER = Collective(
     "scatter",
     out_shape=lambda shape, size: shape[1:],
-    batch=_batch_scatter,
     transpose=lambda ct, params: _run("gather", ct, params),
     has_root=True,
     leading_axis_is_size=True,
@@ -119,7 +109,6 @@ SCATTER = Collective(
 REDUCE = Collective(
     "reduce",
     out_shape=lambda shape, size: shape,
-    batch=lambda x, dim, params: (_run("reduce", x, params), dim),
     transpose=lambda ct, params: _run("bcast", ct, params, op=-1),
     has_root=True,
     reduces=True,
@@ -132,18 +121,15 @@ REDUCE = Collective(
 ALLREDUCE = Collective(
     "allreduce",
     out_shape=lambda shape, size: shape,
-    batch=lambda x, dim, params: (_run("allreduce", x, params), dim),
     transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
     reduces=True,
     in_place=True,
 )
 
-# gather: the stack by rank on root, zeros elsewhere.  Batched: the new rank
-# axis is leading, so the batch axis moves one to the right.
+# gather: the stack by rank on root, zeros elsewhere.
 GATHER = Collective(
     "gather",
     out_shape=lambda shape, size: (size, *shape),
-    batch=lambda x, dim, params: (_run("gather", x, params), dim + 1),
     transpose=lambda ct, params: _run("scatter", ct, params),
     has_root=True,
 )
@@ -153,23 +139,15 @@ GATHER = Collective(
 ALLGATHER = Collective(
     "allgather",
     out_shape=lambda shape, size: (size, *shape),
-    batch=lambda x, dim, params: (_run("allgather", x, params), dim + 1),
     transpose=lambda ct, params: (
         _run("allreduce", ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
 )
 
 
 # alltoall: out[j] on rank r is x[r] of rank j; its own transpose.
-def _batch_alltoall(x, dim, params):
-    if dim == 0:
-        x, dim = jnp.moveaxis(x, 0, 1), 1
-    return _run("alltoall", x, params), dim
-
-
 ALLTOALL = Collective(
     "alltoall",
     out_shape=lambda shape, size: shape,
-    batch=_batch_alltoall,
     transpose=lambda ct, params: _run("alltoall", ct, params),
     leading_axis_is_size=True,
 )
@@ -224,8 +202,14 @@ def _make_primitive(spec):
         return [out]
 
     def batch(args, dims, **params):
+        # One call for the whole batch.  The rank axis must stay leading, so a
+        # batch axis in front of it moves behind it; the output's batch axis
+        # then shifts by the rank axes the op adds (gather) or removes (scatter).
         (x,), (dim,) = args, dims
-        return spec.batch(x, dim, params)
+        if spec.leading_axis_is_size and dim == 0:
+            x, dim = jnp.moveaxis(x, 0, 1), 1
+        out = primitive.bind(x, **params)
+        return out, dim + out.ndim - x.ndim
 
     def jvp(primals, tangents, **params):
         (x,), (t,) = primals, tangents
