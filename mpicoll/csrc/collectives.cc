@@ -42,17 +42,24 @@ namespace {
 // allocated at registration and never moved or freed.
 constexpr int kMaxComms = 1024;
 constexpr int kMaxLocalDevices = 256;
+// Rank and size are looked up once, at registration, not on every call.
+struct DeviceComm {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = -1;
+  int size = 0;
+};
 struct CommRow {
   std::atomic<int64_t> key{-1};
-  MPI_Comm comms[kMaxLocalDevices];
+  DeviceComm devices[kMaxLocalDevices];
 };
 std::atomic<CommRow*> comm_table[kMaxComms];
 
-MPI_Comm LookupComm(int64_t key, int32_t device) {
-  if (key < 0 || device < 0 || device >= kMaxLocalDevices) return MPI_COMM_NULL;
+const DeviceComm* LookupComm(int64_t key, int32_t device) {
+  if (key < 0 || device < 0 || device >= kMaxLocalDevices) return nullptr;
   CommRow* row = comm_table[key % kMaxComms].load(std::memory_order_acquire);
-  if (!row || row->key.load(std::memory_order_acquire) != key) return MPI_COMM_NULL;
-  return row->comms[device];
+  if (!row || row->key.load(std::memory_order_acquire) != key) return nullptr;
+  const DeviceComm* entry = &row->devices[device];
+  return entry->comm == MPI_COMM_NULL ? nullptr : entry;
 }
 
 // mpi4py's `Comm.handle` is the MPI_Comm value as an integer: an int in
@@ -391,17 +398,17 @@ ffi::Error MpiFailure(const Call& c, int rc) {
 }
 
 ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
-  c.comm = LookupComm(comm_slot, device);
-  if (c.comm == MPI_COMM_NULL) {
+  const DeviceComm* entry = LookupComm(comm_slot, device);
+  if (entry == nullptr) {
     return ffi::Error::InvalidArgument(std::string("mpicoll.") + c.name +
                                        ": no communicator registered for slot " +
                                        std::to_string(comm_slot) + " on device " +
                                        std::to_string(device) +
                                        " (freed, or the program outlived its communicator)");
   }
-  int rc = MPI_Comm_rank(c.comm, &c.rank);
-  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(c.comm, &c.size);
-  if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  c.comm = entry->comm;
+  c.rank = entry->rank;
+  c.size = entry->size;
   return ffi::Error::Success();
 }
 
@@ -684,17 +691,28 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
                  "(at most %d local devices)", key, device, kMaxLocalDevices);
     return nullptr;
   }
+  DeviceComm entry;
+  entry.comm = HandleFromInteger<MPI_Comm>(handle);
+  int rc = MPI_Comm_rank(entry.comm, &entry.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(entry.comm, &entry.size);
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+    text[len] = '\0';
+    PyErr_Format(PyExc_ValueError, "mpicoll: cannot register communicator %lld: %s", key, text);
+    return nullptr;
+  }
   CommRow* row = comm_table[key % kMaxComms].load();
   if (!row) {
     row = new CommRow;
-    std::fill(row->comms, row->comms + kMaxLocalDevices, MPI_COMM_NULL);
     comm_table[key % kMaxComms].store(row, std::memory_order_release);
   }
   if (row->key.load() != key) {  // a new generation of this slot
     row->key.store(-1);
-    std::fill(row->comms, row->comms + kMaxLocalDevices, MPI_COMM_NULL);
+    std::fill(row->devices, row->devices + kMaxLocalDevices, DeviceComm{});
   }
-  row->comms[device] = HandleFromInteger<MPI_Comm>(handle);
+  row->devices[device] = entry;
   row->key.store(key, std::memory_order_release);
   Py_RETURN_NONE;
 }
