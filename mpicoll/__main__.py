@@ -106,6 +106,11 @@ def _format(reports):
         f"               {vendor} {'.'.join(map(str, version))}, MPI standard "
         f"{'.'.join(map(str, MPI.Get_version()))}, mpi4py {mpi4py.__version__}",
     ]
+    from ._native import extension
+    replaced = extension.replaced_sums()
+    if replaced:
+        lines.append(f"workaround:    this MPI's MPI_SUM saturates for {', '.join(replaced)} "
+                     "(open-mpi/ompi#8045); mpicoll sums them with its own wrapping operator")
     levels = sorted({r["thread_level"] for r in reports})
     lines.append("thread level:  " + ", ".join(_THREAD_LEVELS[lv] for lv in levels)
                  + ("" if len(levels) == 1 else "  (differs between ranks!)"))

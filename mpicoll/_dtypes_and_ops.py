@@ -49,6 +49,19 @@ _MPI4PY_OPS = (
 )
 
 
+# Every op object mpi4py predefines (MAXLOC, REPLACE, OP_NULL, ...), by name:
+# an MPI.Op prints as its address, so errors name it from here.
+_MPI4PY_OP_NAMES = [(value, f"MPI.{name}") for name, value in vars(MPI).items()
+                    if isinstance(value, MPI.Op)]
+
+
+def _describe_mpi_op(op):
+    for mpi_op, name in _MPI4PY_OP_NAMES:
+        if op == mpi_op:
+            return name
+    return "a user-defined MPI.Op"
+
+
 def dtype_family(dtype, caller):
     """The family of a supported dtype; TypeError naming the caller otherwise."""
     family = DTYPE_FAMILIES.get(np.dtype(dtype))
@@ -65,8 +78,9 @@ def op_name(op, caller):
         for mpi_op, name in _MPI4PY_OPS:
             if op == mpi_op:
                 return name
-        raise ValueError(f"mpicoll.{caller}: op={op!r} is not one of MPI's predefined "
-                         f"reduction ops; supported: {', '.join(OP_FAMILIES)}")
+        supported = ", ".join(f"MPI.{name.upper()}" for name in OP_FAMILIES)
+        raise ValueError(f"mpicoll.{caller}: op={_describe_mpi_op(op)} is not supported; "
+                         f"supported: {supported} (or their names: {', '.join(OP_FAMILIES)})")
     if isinstance(op, str) and op.lower() in OP_FAMILIES:
         return op.lower()
     raise ValueError(f"mpicoll.{caller}: unknown op={op!r}; supported: "

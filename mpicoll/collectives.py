@@ -244,6 +244,11 @@ _SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
 def _as_array(x, caller):
     if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return x
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        raise TypeError(f"mpicoll.{caller}: x has non-native byte order (dtype {dtype.str!r}); "
+                        "JAX and MPI need native byte order: pass "
+                        "x.astype(x.dtype.newbyteorder('='))")
     try:
         return jnp.asarray(x)
     except (TypeError, ValueError, OverflowError) as error:
@@ -335,7 +340,7 @@ def _check_leaf(spec, leaf, *, comm, root=0, op=None):
     if spec.reduces:
         _dtypes_and_ops.op_code(op, leaf.dtype, spec.name)
     if spec.leading_axis_is_size and (leaf.ndim == 0 or leaf.shape[0] != info.size):
-        raise ValueError(f"mpicoll.{spec.name}: every leaf must have shape (comm size, ...) = "
+        raise ValueError(f"mpicoll.{spec.name}: every leaf of x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(leaf.shape)}")
 
 

@@ -71,7 +71,15 @@ def resolve(comm, caller):
                         f"got {type(comm).__name__}")
     if comm == MPI.COMM_NULL:
         raise ValueError(f"mpicoll.{caller}: comm is MPI.COMM_NULL (freed or never created)")
-    if isinstance(comm, MPI.Intercomm) or comm.Is_inter():
+    try:
+        inter = isinstance(comm, MPI.Intercomm) or comm.Is_inter()
+    except MPI.Exception as error:
+        # A handle MPI no longer knows: typically a second Python object for a
+        # communicator freed through another one (only that one became COMM_NULL).
+        raise ValueError(f"mpicoll.{caller}: comm is not a valid communicator (freed through "
+                         f"another handle?): {MPI.Get_error_string(error.Get_error_class())}") \
+            from None
+    if inter:
         raise TypeError(f"mpicoll.{caller}: comm is an inter-communicator; "
                         "mpicoll collectives need an intracommunicator")
     info = comm.Get_attr(_SLOT_KEYVAL)

@@ -11,9 +11,19 @@ input and computes the expected result of a collective locally.
 Two rules keep a multi-rank run from hanging when a test fails: a test issues
 all its collectives before it asserts anything, and whether a test runs or is
 skipped never depends on the rank.
+
+Tests that start MPI jobs of their own use `run_mpiexec`; they run only in the
+serial suite (`serial_only`).
 """
 
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
 import zlib
+from pathlib import Path
 
 import jax
 
@@ -21,6 +31,7 @@ jax.config.update("jax_enable_x64", True)  # the 64-bit dtypes need it
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
@@ -219,3 +230,137 @@ MODES = ("eager", "jit")
 def maybe_jit(fn, mode):
     return jax.jit(fn) if mode == "jit" else fn
 
+
+
+# ---------------------------------------------------------------------------
+# MPI jobs launched from a test (serial suite only).
+
+REPO = Path(__file__).resolve().parent.parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"  # the venv's: same MPI as mpi4py's
+OPEN_MPI = "Open MPI" in MPI.Get_library_version()
+
+serial_only = pytest.mark.skipif(
+    SIZE > 1, reason="launches MPI jobs of its own: only in the serial (1-rank) suite")
+
+# What a launcher around this process (or this process's own singleton MPI)
+# put in the environment; none of it may reach the job's launcher.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_")
+
+
+@dataclasses.dataclass
+class MPIRun:
+    """A finished `run_mpiexec` job: the CompletedProcess, its wall time, when it ended."""
+    process: subprocess.CompletedProcess
+    seconds: float
+    ended: float  # time.time() when mpiexec had exited and its output was read
+
+    @property
+    def returncode(self):
+        return self.process.returncode
+
+    @property
+    def stdout(self):
+        return self.process.stdout
+
+    @property
+    def stderr(self):
+        return self.process.stderr
+
+    @property
+    def output(self):
+        return self.process.stdout + self.process.stderr
+
+    def summary(self, tail=4000):
+        """Exit status, time and the end of both streams, for assertion messages."""
+        return (f"{' '.join(map(str, self.process.args))}\n"
+                f"exit {self.returncode} after {self.seconds:.1f} s\n"
+                f"--- stdout:\n{self.stdout[-tail:]}\n--- stderr:\n{self.stderr[-tail:]}")
+
+
+def _session_members(session):
+    """Pids of the processes in session `session` (Linux /proc; [] elsewhere)."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[3]) == session:
+                        pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    return pids
+
+
+def _kill_job(process, grace=5):
+    """End an MPI job started in a session of its own, whatever its launcher does.
+
+    SIGTERM to mpiexec first (it takes its ranks down), then SIGKILL to its
+    process group and to every process left in its session: Open MPI puts each
+    rank in a process group of its own, and a rank whose launcher is gone is
+    orphaned but keeps the session.
+    """
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in _session_members(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO):
+    """Run `argv` (e.g. [sys.executable, script, ...]) under the venv's mpiexec -n ranks.
+
+    The launcher environment is this one minus any launcher's variables and
+    minus a fake device count in XLA_FLAGS (programs set their own), plus
+    `env`.  Open MPI (told apart by MPI.Get_library_version()) gets the
+    run-as-root variables and --oversubscribe; MPICH with more ranks than cores
+    gets MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (as launch/mpirun.sh does).  The job
+    runs in its own session: on timeout mpiexec and every rank are killed
+    (_kill_job) and the test fails with the output so far.
+    Returns an MPIRun (returncode, stdout, stderr, output, seconds, ended).
+    """
+    if SIZE > 1:  # the same on every rank
+        pytest.skip("launches MPI jobs of its own: only in the serial (1-rank) suite")
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable}")
+    job_env = {key: value for key, value in os.environ.items()
+               if not key.startswith(_LAUNCHER_PREFIXES)}
+    flags = [flag for flag in job_env.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        job_env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        job_env.pop("XLA_FLAGS", None)
+    launcher_flags = []
+    if OPEN_MPI:
+        job_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        launcher_flags.append("--oversubscribe")
+    elif ranks > (os.cpu_count() or 1):
+        job_env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    job_env.update(env or {})
+    command = [str(MPIEXEC), *launcher_flags, "-n", str(ranks), *map(str, argv)]
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=cwd, env=job_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_job(process)
+        try:
+            stdout, stderr = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process outside the group holds the pipes
+            process.kill()
+            stdout, stderr = "", "(output lost: processes outside the job's group hold its pipes)"
+        pytest.fail(f"{' '.join(command)} did not finish in {timeout} s (killed)\n"
+                    f"--- stdout:\n{stdout[-4000:]}\n--- stderr:\n{stderr[-4000:]}")
+    seconds = time.monotonic() - start
+    return MPIRun(subprocess.CompletedProcess(command, process.returncode, stdout, stderr),
+                  seconds, time.time())

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import (ALL_DTYPES, COLLECTIVES, MOVEMENT, MPI_OPS, OPS, RANK, REDUCING,
-                      REPRESENTATIVE_DTYPES, ROOTED, SIZE, STACKED_INPUT, VALID_PAIRS,
+from conftest import (ALL_DTYPES, COLLECTIVES, INTEGER_DTYPES, MOVEMENT, MPI_OPS, OPS, RANK,
+                      REDUCING, REPRESENTATIVE_DTYPES, ROOTED, SIZE, STACKED_INPUT, VALID_PAIRS,
                       all_ranks_data, assert_same, call, expected, input_shape, pair_id,
                       rank_data)
 
@@ -223,6 +223,25 @@ def test_logical_ops_give_truth_values(name, op, mode):
     stack = np.stack([np.roll(values, r) for r in range(SIZE)])
     (out,) = run(name, jnp.asarray(stack[RANK]), [SIZE - 1], mode, op=op)
     assert_same(out, expected(name, stack, root=SIZE - 1, op=op))
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=str)
+@pytest.mark.parametrize("name", REDUCING)
+def test_integer_sums_wrap_around(name, dtype):
+    """Integer sums that overflow wrap around, as in numpy and XLA, on long arrays too.
+
+    Open MPI's vectorized MPI_SUM saturates 8- and 16-bit integers from 64 elements
+    on (open-mpi/ompi#8045: 200 + 200 -> 255 in uint8); mpicoll detects that and uses
+    its own operator.  Near-extreme values on every rank make every element overflow.
+    """
+    info = np.iinfo(dtype)
+    count = 1000  # far past any vector path's minimum length
+    stack = np.stack([np.where(np.arange(count) % 2 == 0, info.max - r, info.min + r)
+                      .astype(dtype) for r in range(SIZE)])
+    if info.min == 0:  # unsigned: the odd elements hold small values, still mixed in
+        stack[:, 1::2] = np.arange(1, SIZE + 1, dtype=dtype)[:, None] * (info.max // 3)
+    (out,) = run(name, jnp.asarray(stack[RANK]), [SIZE - 1], "jit")
+    assert_same(out, expected(name, stack, root=SIZE - 1, op="sum"))
 
 
 # ---------------------------------------------------------------------------

@@ -1,19 +1,23 @@
-"""The bad-input matrix: every collective x every way to call it wrongly.
+"""The bad-input matrix: every public function x every way to call it wrongly.
 
 Each case must raise the right exception type, with a message naming the bad
 argument, identically on every rank and before any MPI call -- so the ranks
 stay in step: after every case, an allreduce still gives the right answer.
 Every case runs eagerly and while tracing under jax.jit.
 
-Cases per mode (collectives x bad values):
-    root        4 rooted collectives x 7 bad roots                    =  28
-    leading     scatter, alltoall x 4 bad shapes                      =   8
-    dtype       7 collectives x 6 unsupported dtypes                  =  42
-    x           7 collectives x 9 values that are not arrays/pytrees  =  63
-    op          reduce, allreduce x 8 unknown ops                     =  16
-    op/dtype    reduce, allreduce x 42 invalid (op, dtype) pairs      =  84
-    comm        8 (7 collectives + barrier) x 9 bad communicators     =  72
-    total                                                               313 (x 2 modes = 626)
+Cases per mode (functions x bad values):
+    root        4 rooted collectives x 7 bad roots                     =  28
+    leading     scatter, alltoall x 4 bad shapes                       =   8
+    dtype       7 collectives + pvary x 6 unsupported dtypes           =  48
+    byte order  7 collectives x non-native array / pytree leaf         =  14
+    x           7 collectives + pvary x 9 values that are not arrays   =  72
+    op          reduce, allreduce x 10 unknown ops (MPI.MAXLOC, ...)   =  20
+    op/dtype    reduce, allreduce x 42 invalid (op, dtype) pairs       =  84
+    comm        7 collectives + barrier + pvary x 10 bad communicators =  90
+    pytree      a bad leaf, root, op or comm with a pytree x           =  28
+    axis_name   the 4 global collectives: unmapped, unbound or non-name
+                axis, and their dtype/comm/root/leading-axis/op checks =  33
+    total                                                                425 (x 2 modes = 850)
 """
 
 import re
@@ -25,18 +29,22 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import (COLLECTIVES, INVALID_PAIRS, REDUCING, ROOTED, SIZE, STACKED_INPUT, WORLD,
-                      assert_in_step, call, input_shape, pair_id, same_on_every_rank)
+from conftest import (COLLECTIVES, INVALID_PAIRS, OPEN_MPI, REDUCING, ROOTED, SIZE, STACKED_INPUT,
+                      WORLD, assert_in_step, call, input_shape, pair_id, same_on_every_rank)
 
 MODES = ("eager", "jit")
+WITH_X = COLLECTIVES + ("pvary",)  # every public function that takes an x
 
 
 def _good_input(name, dtype=np.float32):
     return np.ones(input_shape(name, (2,)), dtype)
 
 
-def check_refused(make_call, exception, argument, mode, seed):
-    """make_call() must raise `exception` naming `argument`, the same on every rank."""
+def check_refused(make_call, exception, argument, mode, seed, mentions=()):
+    """make_call() must raise `exception` naming `argument`, the same on every rank.
+
+    `mentions`: further texts the message must contain.
+    """
     run = (lambda: jax.jit(lambda: make_call())()) if mode == "jit" else make_call
     with pytest.raises(exception) as info:
         run()
@@ -45,6 +53,8 @@ def check_refused(make_call, exception, argument, mode, seed):
     outcome = (type(info.value).__name__, re.sub(r"0x[0-9a-fA-F]+", "0x?", message))
     assert same_on_every_rank(outcome), outcome
     assert re.search(rf"\b{argument}\b", message), message
+    for text in mentions:
+        assert text in message, message
     assert_in_step(seed)
 
 
@@ -84,10 +94,24 @@ BAD_DTYPES = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.int4, ml
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", BAD_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("name", COLLECTIVES)
+@pytest.mark.parametrize("name", WITH_X)
 def test_unsupported_dtype(name, dtype, mode):
     x = np.zeros(input_shape(name, (2,)), dtype)
     check_refused(lambda: call(name, x), TypeError, "x", mode, 3)
+
+
+# Non-native byte order: JAX refuses such numpy arrays (jnp.asarray raises), so
+# mpicoll does too, but saying why (not "x must be an array").
+NON_NATIVE = np.dtype(np.float32).newbyteorder("S")  # '>f4' on little-endian machines
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tree", [False, True], ids=["array", "pytree-leaf"])
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_non_native_byte_order(name, tree, mode):
+    x = np.ones(input_shape(name, (2,)), NON_NATIVE)
+    value = {"a": np.ones(input_shape(name, (3,)), np.float32), "b": x} if tree else x
+    check_refused(lambda: call(name, value), TypeError, "x", mode, 3, mentions=["byte order"])
 
 
 # (Lists, tuples and dicts are pytrees, valid when every leaf is: a bad leaf is
@@ -107,7 +131,7 @@ NOT_ARRAYS = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("value", NOT_ARRAYS.values(), ids=NOT_ARRAYS.keys())
-@pytest.mark.parametrize("name", COLLECTIVES)
+@pytest.mark.parametrize("name", WITH_X)
 def test_not_an_array(name, value, mode):
     check_refused(lambda: call(name, value), (TypeError, ValueError), "x", mode, 4)
 
@@ -115,15 +139,28 @@ def test_not_an_array(name, value, mode):
 # ---------------------------------------------------------------------------
 # op: unknown -> ValueError; defined, but not for x's dtype -> TypeError.
 
-UNKNOWN_OPS = {"mean": "mean", "empty": "", "None": None, "int": 0, "MPI.MAXLOC": MPI.MAXLOC,
-               "MPI.REPLACE": MPI.REPLACE, "MPI.NO_OP": MPI.NO_OP, "MPI.OP_NULL": MPI.OP_NULL}
+def _user_op(a, b, datatype):  # never called: mpicoll refuses user-defined ops
+    raise AssertionError("a user-defined MPI.Op was called")
+
+
+USER_OP = MPI.Op.Create(_user_op, commute=True)
+
+# id -> (op, what the message must call it).  mpi4py's MPI.Op objects print as
+# their address, so the message must give their MPI name instead.
+UNKNOWN_OPS = {
+    "mean": ("mean", "'mean'"), "empty": ("", "''"), "None": (None, "None"), "int": (0, "0"),
+    "MPI.MAXLOC": (MPI.MAXLOC, "MPI.MAXLOC"), "MPI.MINLOC": (MPI.MINLOC, "MPI.MINLOC"),
+    "MPI.REPLACE": (MPI.REPLACE, "MPI.REPLACE"), "MPI.NO_OP": (MPI.NO_OP, "MPI.NO_OP"),
+    "MPI.OP_NULL": (MPI.OP_NULL, "MPI.OP_NULL"), "user-defined": (USER_OP, "user-defined"),
+}
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("op", UNKNOWN_OPS.values(), ids=UNKNOWN_OPS.keys())
+@pytest.mark.parametrize("op,label", UNKNOWN_OPS.values(), ids=UNKNOWN_OPS.keys())
 @pytest.mark.parametrize("name", REDUCING)
-def test_unknown_op(name, op, mode):
-    check_refused(lambda: call(name, _good_input(name), op=op), ValueError, "op", mode, 5)
+def test_unknown_op(name, op, label, mode):
+    check_refused(lambda: call(name, _good_input(name), op=op), ValueError, "op", mode, 5,
+                  mentions=[f"op={label}" if label != "user-defined" else label])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -151,6 +188,16 @@ def _intercomm():
     return inter
 
 
+def _freed_through_another_handle():
+    """A second Python object for a communicator freed through the first one: it
+    still holds the old handle, not MPI.COMM_NULL."""
+    comm = WORLD.Dup()
+    other = MPI.Intracomm(comm)
+    comm.Free()
+    assert other != MPI.COMM_NULL
+    return other
+
+
 BAD_COMMS = {
     "int": (lambda: 0, TypeError),
     "str": (lambda: "world", TypeError),
@@ -160,16 +207,20 @@ BAD_COMMS = {
     "mpi4py-module": (lambda: MPI, TypeError),
     "COMM_NULL": (lambda: MPI.COMM_NULL, ValueError),
     "freed": (_freed, ValueError),
+    "freed-other-handle": (_freed_through_another_handle, ValueError),
     "intercomm": (_intercomm, TypeError),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", BAD_COMMS)
-@pytest.mark.parametrize("name", COLLECTIVES + ("barrier",))
+@pytest.mark.parametrize("name", WITH_X + ("barrier",))
 def test_bad_comm(name, kind, mode):
     if kind == "intercomm" and SIZE < 2:
         pytest.skip("an inter-communicator needs at least 2 processes")
+    if kind == "freed-other-handle" and OPEN_MPI:
+        pytest.skip("Open MPI frees the object behind the handle: using it is undefined "
+                    "behaviour (a segfault), which no library can detect")
     make, exception = BAD_COMMS[kind]
     comm = make()
     try:
@@ -181,3 +232,105 @@ def test_bad_comm(name, kind, mode):
     finally:
         if kind == "intercomm":
             comm.Free()
+
+
+# ---------------------------------------------------------------------------
+# Pytrees: each leaf is checked like an x (through the fused path, which checks
+# every leaf before any MPI call).
+
+def _tree(name, bad_leaf):
+    return {"good": _good_input(name), "bad": bad_leaf}
+
+
+PYTREE_CASES = {
+    # id: (collectives, make (name) -> call kwargs, exception, argument)
+    "unsupported-dtype-leaf": (COLLECTIVES, lambda name: dict(
+        x=_tree(name, np.zeros(input_shape(name, (2,)), ml_dtypes.float8_e4m3fn))), TypeError, "x"),
+    "root-out-of-range": (ROOTED, lambda name: dict(
+        x=_tree(name, _good_input(name)), root=SIZE), ValueError, "root"),
+    "root-not-an-int": (ROOTED, lambda name: dict(
+        x=_tree(name, _good_input(name)), root="0"), TypeError, "root"),
+    "op-unknown": (REDUCING, lambda name: dict(
+        x=_tree(name, _good_input(name)), op="mean"), ValueError, "op"),
+    "op-not-for-one-leaf": (REDUCING, lambda name: dict(
+        x=_tree(name, np.ones((2,), np.bool_)), op="sum"), TypeError, "op"),
+    "leaf-leading-axis": (STACKED_INPUT, lambda name: dict(
+        x=_tree(name, np.ones((SIZE + 1, 2), np.float32))), ValueError, "x"),
+    "comm-not-a-comm": (COLLECTIVES, lambda name: dict(
+        x=_tree(name, _good_input(name)), comm=object()), TypeError, "comm"),
+}
+PYTREE_PARAMS = [(name, case) for case, (names, *_) in PYTREE_CASES.items() for name in names]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,case", PYTREE_PARAMS, ids=[f"{n}-{c}" for n, c in PYTREE_PARAMS])
+def test_bad_pytree(name, case, mode):
+    _, make, exception, argument = PYTREE_CASES[case]
+    kwargs = make(name)
+    check_refused(lambda: call(name, **kwargs), exception, argument, mode, 8)
+
+
+# ---------------------------------------------------------------------------
+# The global collectives (axis_name=, over ranks x local devices): a name that is
+# not a mapped axis, and the same argument checks as the per-rank collectives.
+# This suite has one local device per rank; pmap over it maps axis "i".
+
+GLOBAL = ("bcast", "allreduce", "allgather", "alltoall")
+LOCAL = jax.local_device_count()
+
+
+def _global_call(name, x, axis_name="i", root=0, op="sum", comm=None):
+    fn = getattr(mpicoll, name)
+    if name == "bcast":
+        return fn(x, root, comm=comm, axis_name=axis_name)
+    if name == "allreduce":
+        return fn(x, op, comm=comm, axis_name=axis_name)
+    return fn(x, comm=comm, axis_name=axis_name)
+
+
+def _global_input(name, dtype=np.float32):
+    return np.ones((SIZE * LOCAL, 2) if name == "alltoall" else (2,), dtype)
+
+
+def _in_pmap(name, x=None, **kwargs):
+    """A call of the global collective `name` inside pmap over the local devices."""
+    x = _global_input(name) if x is None else x
+    stacked = np.broadcast_to(x, (LOCAL, *np.shape(x))) if hasattr(x, "shape") else [x] * LOCAL
+    return lambda: jax.pmap(lambda v: _global_call(name, v, **kwargs), axis_name="i")(
+        np.asarray(stacked))
+
+
+GLOBAL_CASES = {
+    # id: (collectives, name -> make_call, exception, argument)
+    "axis-outside-any-map": (GLOBAL, lambda name: lambda: _global_call(
+        name, _global_input(name)), ValueError, "axis_name"),
+    "axis-unbound-in-pmap": (GLOBAL, lambda name: _in_pmap(name, axis_name="j"), ValueError,
+                             "axis_name"),
+    "axis-not-a-name": (GLOBAL, lambda name: _in_pmap(name, axis_name=3), ValueError, "axis_name"),
+    "unsupported-dtype": (GLOBAL, lambda name: _in_pmap(
+        name, _global_input(name, ml_dtypes.float8_e4m3fn)), TypeError, "x"),
+    "comm-not-a-comm": (GLOBAL, lambda name: _in_pmap(name, comm=0), TypeError, "comm"),
+    "comm-null": (GLOBAL, lambda name: _in_pmap(name, comm=MPI.COMM_NULL), ValueError, "comm"),
+    "root-out-of-range": (("bcast",), lambda name: _in_pmap(name, root=SIZE * LOCAL), ValueError,
+                          "root"),
+    "root-negative": (("bcast",), lambda name: _in_pmap(name, root=-1), ValueError, "root"),
+    "root-not-an-int": (("bcast",), lambda name: _in_pmap(name, root=0.0), TypeError, "root"),
+    "leading-axis": (("alltoall",), lambda name: _in_pmap(
+        name, np.ones((SIZE * LOCAL + 1, 2), np.float32)), ValueError, "x"),
+    "leading-axis-0d": (("alltoall",), lambda name: _in_pmap(
+        name, np.ones((), np.float32)), ValueError, "x"),
+    "op-unknown": (("allreduce",), lambda name: _in_pmap(name, op="mean"), ValueError, "op"),
+    "op-MPI.MAXLOC": (("allreduce",), lambda name: _in_pmap(name, op=MPI.MAXLOC), ValueError,
+                      "op"),
+    "op-not-for-dtype": (("allreduce",), lambda name: _in_pmap(name, op="band"), TypeError, "op"),
+    "op-not-for-bool": (("allreduce",), lambda name: _in_pmap(
+        name, np.ones((2,), np.bool_), op="sum"), TypeError, "op"),
+}
+GLOBAL_PARAMS = [(name, case) for case, (names, *_) in GLOBAL_CASES.items() for name in names]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,case", GLOBAL_PARAMS, ids=[f"{n}-{c}" for n, c in GLOBAL_PARAMS])
+def test_bad_global_call(name, case, mode):
+    _, make, exception, argument = GLOBAL_CASES[case]
+    check_refused(make(name), exception, argument, mode, 9)

@@ -2,53 +2,21 @@
 
 Each example checks its own result (against numpy or a single-process run) and
 exits non-zero if it is wrong; these tests also read its output.  They run the
-examples as separate MPI jobs, so only the serial run (plain pytest) runs them.
-The mpiexec is the one next to this Python (the venv's), through
-launch/mpirun.sh, which adds what the MPI needs here (running as root,
-oversubscription).
+examples as separate MPI jobs (conftest.run_mpiexec: the venv's mpiexec, with
+what the MPI needs here), so only the serial run (plain pytest) runs them.
 """
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+from conftest import REPO, run_mpiexec, serial_only
+
+EXAMPLES = REPO / "examples"
 RANKS = 2
 TIMEOUT = 300  # s; two ranks compiling on a 2-core CI machine
-
-
-def run_mpi(args, ranks=RANKS, timeout=TIMEOUT, env_extra=None):
-    """Run `python args...` on `ranks` ranks; returns the CompletedProcess (output as text).
-
-    Its own process group, so that a timeout takes down mpiexec and every rank.
-    """
-    if MPI.COMM_WORLD.Get_size() > 1:
-        pytest.skip("runs MPI jobs of its own: only from the serial suite")
-    # Nothing of this process's own MPI (singleton) or of a launcher around the
-    # test run leaks into the job's launcher.
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
-    env.update(MPICOLL_VENV=sys.prefix, **(env_extra or {}))
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if mpiexec.exists():
-        env["MPICOLL_MPIEXEC"] = str(mpiexec)
-    command = [str(ROOT / "launch" / "mpirun.sh"), "-n", str(ranks), sys.executable, *args]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{' '.join(command)} did not finish in {timeout} s:\n{stdout}\n{stderr}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def check_demo(out):
@@ -92,9 +60,10 @@ def test_every_example_is_tested():
     assert not untested, f"examples without a test: {untested}"
 
 
+@serial_only
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_example_under_mpiexec(name):
-    result = run_mpi([str(EXAMPLES / name)])
+    result = run_mpiexec(RANKS, [sys.executable, EXAMPLES / name], timeout=TIMEOUT)
     print(result.stdout, result.stderr, sep="\n")
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, result.summary()
     CHECKS[name](result.stdout)

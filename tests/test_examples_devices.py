@@ -9,55 +9,25 @@ and a subprocess of an mpiexec-launched rank would inherit that rank's launcher
 environment.  (Skipping depends on the rank count, which every rank shares.)
 """
 
-import os
 import re
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
-if MPI.COMM_WORLD.Get_size() > 1:
+from conftest import REPO, SIZE, run_mpiexec
+
+if SIZE > 1:
     pytest.skip("the examples are launched under their own mpiexec from the serial run",
                 allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT = 300  # seconds per example run
-OPEN_MPI = MPI.get_vendor()[0] == "Open MPI"
 
 
 def run_example(name, *args, ranks=2):
     """Run examples/<name> under mpiexec -n ranks; return (returncode, stdout + stderr)."""
-    if not MPIEXEC.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable}")
-    # A clean launcher environment: nothing of this process's own MPI (singleton) init,
-    # and no device count in XLA_FLAGS, so that the example sets its own (2).
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
-    flags = [flag for flag in env.get("XLA_FLAGS", "").split()
-             if not flag.startswith("--xla_force_host_platform_device_count")]
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
-    else:
-        env.pop("XLA_FLAGS", None)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    command = [str(MPIEXEC), *(["--oversubscribe"] if OPEN_MPI else []), "-n", str(ranks),
-               sys.executable, str(EXAMPLES / name), *args]
-    # Own session, so that a hang takes the launcher and every rank down together.
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{name} {' '.join(args)} timed out after {TIMEOUT} s:\n{output}")
-    return proc.returncode, output
+    result = run_mpiexec(ranks, [sys.executable, EXAMPLES / name, *args], timeout=TIMEOUT)
+    return result.returncode, result.output
 
 
 def verdict(output, prefix):

@@ -18,13 +18,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
-#include <thread>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -181,6 +183,62 @@ int CreateHalfOps() {
 }
 
 // ---------------------------------------------------------------------------
+// Integer sums wrap around (two's complement), as in numpy and XLA.  Not every
+// MPI agrees: Open MPI's op/avx component adds 8- and 16-bit integers with
+// saturating vector instructions once a call has 64 elements or more
+// (open-mpi/ompi#8045, closed as "wontfix"), so 200 + 200 in uint8 gives 255.
+// Initialize() probes MPI_SUM on each of these types with MPI_Reduce_local and
+// swaps in a wrapping user-defined operator only where the builtin saturates.
+enum NarrowInt { kS8 = 0, kU8, kS16, kU16, kNumNarrowInts };
+MPI_Op wrapping_sums[kNumNarrowInts] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+const char* const kNarrowIntNames[kNumNarrowInts] = {"int8", "uint8", "int16", "uint16"};
+
+template <typename T>
+void WrappingSum(void* in, void* inout, int* len, MPI_Datatype*) {
+  using Unsigned = std::make_unsigned_t<T>;  // unsigned arithmetic wraps by definition
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    b[i] = static_cast<T>(static_cast<Unsigned>(static_cast<Unsigned>(a[i]) +
+                                                static_cast<Unsigned>(b[i])));
+  }
+}
+
+// Leaves `*replacement` MPI_OP_NULL when MPI_SUM already wraps for this type.
+template <typename T>
+int ProbeIntegerSum(MPI_Datatype type, MPI_Op* replacement) {
+  constexpr int kCount = 1024;  // longer than any vector path's minimum
+  using Unsigned = std::make_unsigned_t<T>;
+  const T big = std::numeric_limits<T>::max();
+  const T wrapped = static_cast<T>(static_cast<Unsigned>(static_cast<Unsigned>(big) +
+                                                         static_cast<Unsigned>(big)));
+  std::vector<T> a(kCount, big), b(kCount, big);
+  int rc = MPI_Reduce_local(a.data(), b.data(), kCount, type, MPI_SUM);
+  if (rc != MPI_SUCCESS) return rc;
+  *replacement = MPI_OP_NULL;
+  if (std::all_of(b.begin(), b.end(), [&](T v) { return v == wrapped; })) return MPI_SUCCESS;
+  return MPI_Op_create(WrappingSum<T>, /*commute=*/1, replacement);
+}
+
+int ProbeIntegerSums() {
+  int rc = ProbeIntegerSum<int8_t>(MPI_INT8_T, &wrapping_sums[kS8]);
+  if (rc == MPI_SUCCESS) rc = ProbeIntegerSum<uint8_t>(MPI_UINT8_T, &wrapping_sums[kU8]);
+  if (rc == MPI_SUCCESS) rc = ProbeIntegerSum<int16_t>(MPI_INT16_T, &wrapping_sums[kS16]);
+  if (rc == MPI_SUCCESS) rc = ProbeIntegerSum<uint16_t>(MPI_UINT16_T, &wrapping_sums[kU16]);
+  return rc;
+}
+
+int NarrowIntIndex(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::S8: return kS8;
+    case ffi::DataType::U8: return kU8;
+    case ffi::DataType::S16: return kS16;
+    case ffi::DataType::U16: return kU16;
+    default: return -1;
+  }
+}
+
+// ---------------------------------------------------------------------------
 // XLA element type -> MPI datatype (for moving data and for builtin ops).
 MPI_Datatype MpiType(ffi::DataType t) {
   switch (t) {
@@ -208,6 +266,10 @@ MPI_Op ReductionOp(ffi::DataType t, int64_t op) {
   if (t == ffi::DataType::F16 || t == ffi::DataType::BF16) {
     if (op > kMax) return MPI_OP_NULL;
     return half_ops[t == ffi::DataType::F16 ? kF16 : kBF16][op];
+  }
+  if (op == kSum) {
+    int narrow = NarrowIntIndex(t);
+    if (narrow >= 0 && wrapping_sums[narrow] != MPI_OP_NULL) return wrapping_sums[narrow];
   }
   return builtin_ops[op];
 }
@@ -673,8 +735,9 @@ PyObject* Initialize(PyObject*, PyObject*) {
   const MPI_Op builtins[kNumOps] = {MPI_SUM, MPI_PROD, MPI_MIN,  MPI_MAX, MPI_LAND,
                                     MPI_LOR, MPI_LXOR, MPI_BAND, MPI_BOR, MPI_BXOR};
   std::copy(builtins, builtins + kNumOps, builtin_ops);
-  if (CreateHalfOps<kF16>() != MPI_SUCCESS || CreateHalfOps<kBF16>() != MPI_SUCCESS) {
-    PyErr_SetString(PyExc_RuntimeError, "mpicoll: MPI_Op_create failed");
+  if (CreateHalfOps<kF16>() != MPI_SUCCESS || CreateHalfOps<kBF16>() != MPI_SUCCESS ||
+      ProbeIntegerSums() != MPI_SUCCESS) {
+    PyErr_SetString(PyExc_RuntimeError, "mpicoll: creating the reduction operators failed");
     return nullptr;
   }
   initialized = true;
@@ -756,6 +819,23 @@ PyObject* OpCodes(PyObject*, PyObject*) {
                        "band", kBand, "bor", kBor, "bxor", kBxor);
 }
 
+// The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
+PyObject* ReplacedSums(PyObject*, PyObject*) {
+  PyObject* names = PyList_New(0);
+  if (!names) return nullptr;
+  for (int i = 0; i < kNumNarrowInts; ++i) {
+    if (wrapping_sums[i] == MPI_OP_NULL) continue;
+    PyObject* name = PyUnicode_FromString(kNarrowIntNames[i]);
+    if (!name || PyList_Append(names, name) < 0) {
+      Py_XDECREF(name);
+      Py_DECREF(names);
+      return nullptr;
+    }
+    Py_DECREF(name);
+  }
+  return names;
+}
+
 PyObject* SetCheckMode(PyObject*, PyObject* arg) {
   int on = PyObject_IsTrue(arg);
   if (on < 0) return nullptr;
@@ -780,6 +860,8 @@ PyMethodDef methods[] = {
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"replaced_sums", ReplacedSums, METH_NOARGS,
+     "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mpicoll_ffi",
