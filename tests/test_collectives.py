@@ -236,10 +236,11 @@ def test_integer_sums_wrap_around(name, dtype):
     """
     info = np.iinfo(dtype)
     count = 1000  # far past any vector path's minimum length
-    stack = np.stack([np.where(np.arange(count) % 2 == 0, info.max - r, info.min + r)
-                      .astype(dtype) for r in range(SIZE)])
-    if info.min == 0:  # unsigned: the odd elements hold small values, still mixed in
-        stack[:, 1::2] = np.arange(1, SIZE + 1, dtype=dtype)[:, None] * (info.max // 3)
+    stack = np.empty((SIZE, count), dtype)
+    for r in range(SIZE):
+        stack[r, 0::2] = info.max - r
+        # signed: the other end of the range; unsigned: thirds of it, also overflowing
+        stack[r, 1::2] = info.min + r if info.min < 0 else (r + 1) * (info.max // 3) % (info.max + 1)
     (out,) = run(name, jnp.asarray(stack[RANK]), [SIZE - 1], "jit")
     assert_same(out, expected(name, stack, root=SIZE - 1, op="sum"))
 
