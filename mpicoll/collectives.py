@@ -268,8 +268,8 @@ def _check_root(root, size, caller):
     return root
 
 
-def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
-    """Validate (same outcome on every rank, no MPI traffic) and bind the primitive."""
+def _validated_params(spec, x, comm, root, op, transpose_sums):
+    """Check every argument (same outcome on every rank, no MPI traffic) -> (x, params)."""
     info = comm_layer.resolve(comm, spec.name)
     x = _as_array(x, spec.name)
     _dtypes_and_ops.dtype_family(x.dtype, spec.name)
@@ -278,14 +278,29 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
     if spec.leading_axis_is_size and (x.ndim == 0 or x.shape[0] != info.size):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
-    params = dict(comm=info.slot, size=info.size, root=root, op=op_code,
-                  transpose_sums=bool(transpose_sums))
-    if _compat.at_top_level() and isinstance(x, jax.Array):
-        return _eager(spec.name, tuple(params.items()), x)
+    return x, dict(comm=info.slot, size=info.size, root=root, op=op_code,
+                   transpose_sums=bool(transpose_sums))
+
+
+def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False):
+    """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive."""
+    if _compat.at_top_level():
+        x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
+        if isinstance(x, jax.Array):
+            return _eager(spec, x, comm, root, op, transpose_sums)
+    x, params = _validated_params(spec, x, comm, root, op, transpose_sums)
     return PRIMITIVES[spec.name].bind(x, **params, ordered=True)
 
 
-def _eager(name, params, x):
+# Eager calls: one compiled program per (collective, communicator slot, root, op,
+# dtype, shape), looked up by the arguments as given, so a repeated call skips
+# validation (the key's parts are exactly what the checks depend on).  An
+# explicit communicator is still resolved on every call: that is what notices
+# it was freed, and a re-registered communicator gets a new slot.
+_EAGER_PROGRAMS = {}
+
+
+def _eager(spec, x, comm, root, op, transpose_sums):
     """A call outside any trace: one cached program, run synchronously.
 
     Completing the call before returning keeps MPI order across eager calls
@@ -293,8 +308,17 @@ def _eager(name, params, x):
     applies (microseconds instead of the Python path).  Jitted work that is
     still pending finishes first, so it cannot be overtaken.
     """
+    slot = None if comm is None else comm_layer.resolve(comm, spec.name).slot
+    cacheable = type(root) is int and (op is None or type(op) is str)
+    key = (spec.name, slot, root, op, transpose_sums, x.dtype, x.shape) if cacheable else None
+    program = _EAGER_PROGRAMS.get(key)
+    if program is None:
+        x, params = _validated_params(spec, x, comm, root, op, transpose_sums)
+        program = _eager_program(spec.name, tuple(params.items()))
+        if cacheable:
+            _EAGER_PROGRAMS[key] = program
     jax.effects_barrier()
-    return _eager_program(name, params)(x).block_until_ready()
+    return program(x).block_until_ready()
 
 
 @functools.lru_cache(maxsize=None)
@@ -312,6 +336,8 @@ FUSION_BYTES = 64 * 1024 * 1024
 
 def _collective(spec, x, **kwargs):
     """One array -> _bind; a pytree -> validated leaves fused per dtype, one call per bucket."""
+    if isinstance(x, jax.Array):  # the common case, without flattening
+        return _bind(spec, x, **kwargs)
     leaves, treedef = jax.tree.flatten(x)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a single array or scalar
         return _bind(spec, leaves[0], **kwargs)
