@@ -5,6 +5,9 @@
 #   make test                    pytest serially, then under mpiexec -n 2, 3, 4
 #   make demo                    examples/demo.py under mpiexec -n 2
 #   make test-all                `make test` for MPICH+3.11, Open MPI+3.11 and MPICH+3.12
+#   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
+#                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
+#                                benchmarks/results/)
 #   make clean                   remove the venvs and every build product
 #
 # Variables (make VAR=value):
@@ -20,6 +23,9 @@
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-k allreduce -v"
 #   TEST_TIMEOUT seconds one pytest run may take before it is killed (a deadlock fails
 #                the run instead of hanging CI)
+#   BENCH_ARGS   arguments for benchmarks/bench.py, e.g. BENCH_ARGS=--quick or
+#                BENCH_ARGS="--ops allreduce --sizes 4 1KiB 64MiB" (see its --help)
+#   BENCH_TIMEOUT seconds `make bench` may run before it is killed
 
 PYTHON ?= python3.11
 MPI ?= mpich
@@ -28,6 +34,8 @@ TESTS ?= tests
 PYTEST_ARGS ?=
 TEST_TIMEOUT ?= 600
 DEMO_TIMEOUT ?= 120
+BENCH_ARGS ?=
+BENCH_TIMEOUT ?= 900
 
 ifeq ($(filter $(MPI),mpich openmpi),)
 $(error MPI must be mpich or openmpi, not '$(MPI)')
@@ -120,7 +128,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test demo test-all clean clean-build FORCE
+.PHONY: install test demo bench test-all clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -202,6 +210,48 @@ test: install
 
 demo: install
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
+
+# --- Benchmark -------------------------------------------------------------------
+# Extras only the benchmark needs, installed once into the same venv (stamp):
+# matplotlib for the figure, and mpi4jax, a competitor, built from source against
+# this venv's jax and MPI (--no-build-isolation, with nanobind, its build
+# dependency, installed first; --no-deps so that jax and mpi4py stay as they are;
+# --no-cache-dir so that pip never hands back a wheel built for another jax or MPI).
+# CUDA is hidden from that build: directories holding nvcc leave PATH, and
+# CUDA_PATH names an empty directory (mpi4jax's setup.py would otherwise find
+# /usr/local/cuda and build a GPU extension).  If mpi4jax does not build, the
+# target goes on: the log stays in $(VENV)/mpi4jax-build.log and the benchmark
+# reports mpi4jax as not available, with the reason (rm $(STAMP_BENCH) to retry).
+# The C floor (benchmarks/mpi_floor.c) is a shared library built with the MPI
+# compiler wrapper of the MPI mpi4py uses, loaded by the driver with ctypes.
+STAMP_BENCH := $(VENV)/.stamp-bench
+FLOOR_LIB := $(VENV_ABS)/mpi_floor.so
+PATH_WITHOUT_NVCC := $(shell printf '%s' "$$PATH" | tr ':' '\n' \
+    | while read -r d; do [ -x "$$d/nvcc" ] || printf '%s\n' "$$d"; done | paste -sd: -)
+
+$(STAMP_BENCH): $(STAMP_DEPS)
+	$(PIP) install -q --progress-bar off matplotlib nanobind
+	@mkdir -p '$(VENV_ABS)/.no-cuda'
+	@echo "building mpi4jax from source (log: $(VENV)/mpi4jax-build.log)"; \
+	if env -u CUDA_ROOT -u CUDA_HOME -u CMPLR_ROOT CUDA_PATH='$(VENV_ABS)/.no-cuda' \
+	       PATH='$(VENV_ABS)/bin:$(PATH_WITHOUT_NVCC)' MPI4JAX_BUILD_MPICC='$(USE_MPICC)' \
+	       $(PIP) install --no-build-isolation --no-deps --no-cache-dir --force-reinstall \
+	       mpi4jax > '$(VENV)/mpi4jax-build.log' 2>&1; then \
+	    $(VENV_PATH) $(MPIEXEC_ENV) $(VPY) -c 'import mpi4jax; print("mpi4jax", mpi4jax.__version__)' \
+	        || echo "mpi4jax built but does not import; the benchmark reports it as not available"; \
+	else \
+	    tail -n 5 '$(VENV)/mpi4jax-build.log'; \
+	    echo "mpi4jax did not build (see $(VENV)/mpi4jax-build.log); the benchmark goes on without it"; \
+	fi
+	@touch $@
+
+$(FLOOR_LIB): benchmarks/mpi_floor.c $(STAMP_DEPS) $(MPICC_CHOICE)
+	$(VENV_PATH) $(USE_MPICC) -O2 -fPIC -shared benchmarks/mpi_floor.c -o $@
+
+# Two ranks (one per core here); the driver bounds its jax+gloo phase itself.
+bench: install $(STAMP_BENCH) $(FLOOR_LIB)
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/bench.py --floor-lib $(FLOOR_LIB) $(BENCH_ARGS)
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

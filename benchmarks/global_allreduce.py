@@ -32,8 +32,6 @@ import argparse
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=2").strip()
 
 import numpy as np  # noqa: E402
+
+import jax_gloo  # noqa: E402  (benchmarks/, next to this script)
+from jax_gloo import timed_runs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "global_allreduce.json"
 KIB, MIB = 1024, 1024 * 1024
@@ -60,12 +61,7 @@ def parse_args():
                         help="dependent allreduces per jit call for sizes <= 1 MiB (default 100)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--skip-gloo", action="store_true", help="leave out the jax+gloo phase")
-    # The gloo phase's child processes (internal).
-    parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--local-devices", type=int, help=argparse.SUPPRESS)
+    jax_gloo.add_worker_arguments(parser)  # the gloo phase's child processes (internal)
     return parser.parse_args()
 
 
@@ -87,18 +83,6 @@ def expected(participants, count):
     return (total / participants).astype(np.float32)
 
 
-def timed_runs(call, repeats, synchronize, slowest):
-    """Warm-up, then `repeats` timed calls (call must block until done); slowest-rank times."""
-    call()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        call()
-        times.append(slowest(time.perf_counter() - start))
-    return times
-
-
 def looped(step, inner, participants):
     """jit-able body: `inner` dependent steps x <- step(x) / participants."""
     import jax
@@ -112,19 +96,12 @@ def looped(step, inner, participants):
 # Phase 2: JAX's multi-process runtime with gloo (child processes).
 
 def gloo_worker(args):
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Before any JAX computation (no backend yet).  On CPU the device count comes from
-    # XLA_FLAGS (inherited); local_device_ids names the same L devices.
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=args.num_processes, process_id=args.process_id,
-                               local_device_ids=list(range(args.local_devices)))
+    jax = jax_gloo.initialize(args)
     from jax import lax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     local = jax.local_device_count()
-    assert local == args.local_devices, (local, args.local_devices)
     participants = jax.device_count()
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices), ("d",))
@@ -148,46 +125,22 @@ def gloo_worker(args):
                                slowest=lambda t: t)
             results.append(dict(bytes=nbytes, inner=inner_now, times=times, ok=ok))
     multihost_utils.sync_global_devices("done")
-    print("GLOO_RESULT " + json.dumps(dict(local_devices=local, participants=participants,
-                                           jax=jax.__version__, results=results)), flush=True)
-    jax.distributed.shutdown()
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    jax_gloo.emit(dict(local_devices=local, participants=participants, jax=jax.__version__,
+                       results=results))
+    jax_gloo.shutdown()
 
 
 def run_gloo_phase(args, comm, local_devices):
     """Each rank starts one gloo worker; returns rank 0's view: {(bytes, inner): times}."""
-    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
-    command = [sys.executable, os.path.abspath(__file__), "--gloo-worker", "--port", str(port),
-               "--process-id", str(comm.Get_rank()), "--num-processes", str(comm.Get_size()),
-               "--local-devices", str(local_devices),
-               "--sizes", *map(str, args.sizes), "--small-repeats", str(args.small_repeats),
-               "--large-repeats", str(args.large_repeats), "--inner", str(args.inner)]
-    comm.Barrier()
-    # communicate() sleeps in poll(): this rank takes no CPU from its worker.
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as error:  # run() has killed the worker
-        returncode, stdout, stderr = "timeout", str(error.stdout), str(error.stderr)
-    lines = [line for line in stdout.splitlines() if line.startswith("GLOO_RESULT ")]
-    report = json.loads(lines[-1][len("GLOO_RESULT "):]) if returncode == 0 and lines else None
-    if report is None:
-        sys.stderr.write(f"[rank {comm.Get_rank()}] gloo worker failed (exit {returncode}):"
-                         f"\n{stdout}\n{stderr}\n")
-    reports = comm.gather(report, root=0)
-    if comm.Get_rank() != 0 or any(r is None for r in reports):
+    worker_args = ["--sizes", *args.sizes, "--small-repeats", args.small_repeats,
+                   "--large-repeats", args.large_repeats, "--inner", args.inner]
+    reports, _ = jax_gloo.run_workers(comm, __file__, worker_args, local_devices)
+    if reports is None:
         return None
     merged = {}
     for entries in zip(*(r["results"] for r in reports)):
         key = (entries[0]["bytes"], entries[0]["inner"])
-        merged[key] = dict(times=[max(ts) for ts in zip(*(e["times"] for e in entries))],
+        merged[key] = dict(times=jax_gloo.slowest_times([e["times"] for e in entries]),
                            ok=all(e["ok"] for e in entries))
     return dict(merged=merged, jax=reports[0]["jax"], participants=reports[0]["participants"])
 
