@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -603,6 +604,27 @@ struct InFlightScope {
   }
 };
 
+// A large output is often memory XLA has just allocated (glibc maps buffers
+// this big afresh and unmaps them when freed), so MPI's first write to it
+// takes a page fault per 4 KiB page: ~100 ms for 128 MiB here, more than the
+// transfer.  Where transparent huge pages are "madvise" (the common default),
+// asking for them cuts that to one fault per 2 MiB (a 64 MiB gather went from
+// 190 ms to ~30 ms in the benchmark).  Advice only: the memory stays XLA's,
+// and nothing changes where THP are off or always on.
+void AdviseHugePages(char* data, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  constexpr size_t kHugePage = size_t{2} << 20;
+  constexpr uintptr_t kPage = 4096;
+  if (bytes < 2 * kHugePage) return;
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kPage - 1) & ~(kPage - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kPage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 // Each collective as a type: its name, whether it reduces, and its body.
 #define MPICOLL_COLLECTIVE(Type, text, reduces, body) \
   struct Type {                                       \
@@ -649,6 +671,7 @@ ffi::Error DataEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   }
   // Every rank has the same shapes, so an empty array skips MPI on every rank.
   if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
+  if (!InPlace(c)) AdviseHugePages(c.out, c.out_count * c.elem_bytes);
   if (int rc = Op::Run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }
