@@ -179,6 +179,8 @@ $(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.tom
 # OVERSUBSCRIBED_ENV when ranks outnumber cores.  Only rank 0 prints as it goes
 # (tools/rank-output.sh); the other ranks' logs go to $(VENV)/test-logs, and
 # their closing lines (their whole tail if the run failed) are shown after it.
+# --color=no: Open MPI's launcher gives rank 0 a terminal, and pytest's colour
+# codes would garble CI logs.
 test: install
 	@cores=$$(nproc); failed=""; \
 	for n in $(TEST_RANKS); do \
@@ -189,7 +191,7 @@ test: install
 	    else \
 	        extra=""; if [ "$$n" -gt "$$cores" ]; then extra="$(OVERSUBSCRIBED_ENV)"; fi; \
 	        cmd="env RANK_LOG_DIR=$$logs $$extra $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; \
-	        cmd="$$cmd sh tools/rank-output.sh $(VPY) -m pytest --with-mpi -q $(PYTEST_ARGS) $(TESTS)"; \
+	        cmd="$$cmd sh tools/rank-output.sh $(VPY) -m pytest --with-mpi -q --color=no $(PYTEST_ARGS) $(TESTS)"; \
 	    fi; \
 	    echo; echo "=== $$label: $$cmd"; \
 	    start=$$(date +%s); \
