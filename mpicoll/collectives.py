@@ -256,15 +256,15 @@ def _as_array(x, caller):
                         f"got {type(x).__name__}") from error
 
 
-def _check_root(root, size, caller):
+def _check_root(root, size, caller, among=None):
     try:
         root = operator.index(root)
     except TypeError:
         raise TypeError(f"mpicoll.{caller}: root must be an int, got {type(root).__name__}") \
             from None
     if not 0 <= root < size:
-        raise ValueError(f"mpicoll.{caller}: root={root} is out of range for a communicator "
-                         f"of size {size}")
+        among = among or f"a communicator of size {size}"
+        raise ValueError(f"mpicoll.{caller}: root={root} is out of range for {among}")
     return root
 
 

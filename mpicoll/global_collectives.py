@@ -102,7 +102,9 @@ def bcast(x, root, comm, axis_name):
     x = collectives._as_array(x, "bcast")
     info = comm_layer.resolve(comm, "bcast")
     local = _local_axis_size(axis_name, "bcast")
-    root = collectives._check_root(root, info.size * local, "bcast")
+    root = collectives._check_root(
+        root, info.size * local, "bcast",
+        among=f"{info.size} rank(s) x {local} local device(s) = {info.size * local} participants")
     root_rank, root_device = divmod(root, local)
     vma = _compat.check_vma_enabled()
     mask = lax.axis_index(axis_name) == root_device
