@@ -103,12 +103,18 @@ def _register(comm, caller):
     slot = _generations[index] * _BUILD["max_comms"] + index
     name = comm.Get_name() or f"comm{slot}"
     per_device = []
-    for device in range(local_devices):  # collective: same order on every rank
-        dup = comm.Dup()
-        dup.Set_name(f"mpicoll:{name}:device{device}")
-        dup.Set_errhandler(MPI.ERRORS_RETURN)
-        extension.register_comm(slot, device, dup.handle)
-        per_device.append(dup)
+    # Collective, in the same order on every rank; watched by MPICOLL_TIMEOUT like
+    # a collective, since a rank that never gets here would hang the others.
+    extension.begin_setup(f"the first use of communicator {name} (MPI_Comm_dup)")
+    try:
+        for device in range(local_devices):
+            dup = comm.Dup()
+            dup.Set_name(f"mpicoll:{name}:device{device}")
+            dup.Set_errhandler(MPI.ERRORS_RETURN)
+            extension.register_comm(slot, device, dup.handle)
+            per_device.append(dup)
+    finally:
+        extension.end_setup()
     info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(), name=name,
                     per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)

@@ -192,6 +192,19 @@ def test_timeout_aborts_a_collective_that_never_completes():
     assert "returned (it must not)" not in run.log, run.summary()
 
 
+@serial_only
+def test_timeout_covers_the_collective_setup_at_a_communicators_first_use():
+    """The per-device MPI_Comm_dup at first use is collective: watched like a collective."""
+    timeout = 2
+    run = launch(PROGRAM, "first-use", env={"MPICOLL_TIMEOUT": str(timeout)})
+    took = assert_job_ended_fast(run, (0, "wait"), within=timeout + FAIL_FAST)
+    assert took >= timeout, f"aborted after {took:.1f} s, before MPICOLL_TIMEOUT={timeout}"
+    assert re.search(r"mpicoll: rank 0 has waited [\d.]+ s in the first use of communicator "
+                     rf"fresh \(MPI_Comm_dup\) \(MPICOLL_TIMEOUT={timeout}\)", run.stderr), \
+        run.summary()
+    assert "returned (it must not)" not in run.log, run.summary()
+
+
 # ---------------------------------------------------------------------------
 # A rank killed by SIGKILL in the middle of a loop of jitted collectives.
 

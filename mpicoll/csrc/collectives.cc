@@ -557,7 +557,12 @@ struct InFlight {
   std::atomic<int> rank{-1};
   MPI_Comm comm = MPI_COMM_NULL;
 };
-InFlight in_flight[kMaxLocalDevices];
+// One slot per local device, plus one for the communicator setup Python does
+// collectively at a communicator's first use (MPI_Comm_dup per device): a rank
+// that never reaches it would otherwise hang the others outside any collective.
+constexpr int kSetupSlot = kMaxLocalDevices;
+InFlight in_flight[kMaxLocalDevices + 1];
+std::string setup_description;  // what kSetupSlot waits on (set from Python, under the GIL)
 std::atomic<double> timeout_seconds{0.0};
 std::atomic<bool> watchdog_started{false};
 
@@ -572,11 +577,20 @@ void Watchdog() {
     std::this_thread::sleep_for(std::chrono::milliseconds(limit > 0 && limit < 2 ? 20 : 200));
     if (limit <= 0) continue;
     int64_t now = NowNs();
-    for (int d = 0; d < kMaxLocalDevices; ++d) {
+    for (int d = 0; d <= kSetupSlot; ++d) {
       int64_t started = in_flight[d].started_ns.load();
       if (started == 0 || (now - started) * 1e-9 < limit) continue;
       int world_rank = -1;
       MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+      if (d == kSetupSlot) {
+        std::fprintf(stderr,
+                     "mpicoll: rank %d has waited %.1f s in %s (MPICOLL_TIMEOUT=%g): this is "
+                     "collective, so another rank has not reached its first collective on that "
+                     "communicator; aborting the job\n",
+                     world_rank, (now - started) * 1e-9, in_flight[d].name.load(), limit);
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
       std::fprintf(stderr,
                    "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
                    "(MPICOLL_TIMEOUT=%g); aborting the job\n",
@@ -842,6 +856,23 @@ PyObject* OpCodes(PyObject*, PyObject*) {
                        "band", kBand, "bor", kBor, "bxor", kBxor);
 }
 
+// Python's collective communicator setup, watched like a collective.
+PyObject* BeginSetup(PyObject*, PyObject* args) {
+  const char* description;
+  if (!PyArg_ParseTuple(args, "s", &description)) return nullptr;
+  InFlight& slot = in_flight[kSetupSlot];
+  slot.started_ns.store(0);
+  setup_description = description;
+  slot.name.store(setup_description.c_str());
+  slot.started_ns.store(NowNs());
+  Py_RETURN_NONE;
+}
+
+PyObject* EndSetup(PyObject*, PyObject*) {
+  in_flight[kSetupSlot].started_ns.store(0);
+  Py_RETURN_NONE;
+}
+
 // The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
 PyObject* ReplacedSums(PyObject*, PyObject*) {
   PyObject* names = PyList_New(0);
@@ -883,6 +914,9 @@ PyMethodDef methods[] = {
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"begin_setup", BeginSetup, METH_VARARGS,
+     "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
+    {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
      "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};

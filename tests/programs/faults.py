@@ -16,6 +16,9 @@ never mix as they can on mpiexec's merged stdout).
   check-uncaught  check mode, shape mismatch as in (a), not caught (abort on error)
   hang         rank 1 never joins; rank 0 waits in a jitted allreduce on a
                communicator named "solver" (run with MPICOLL_TIMEOUT)
+  first-use    rank 1 never joins; rank 0 makes its first collective call on a
+               new communicator "fresh", whose setup (MPI_Comm_dup) is collective
+               (run with MPICOLL_TIMEOUT)
   sigkill      both ranks loop over a jitted program of collectives; rank 1 kills
                itself with SIGKILL in the middle
 """
@@ -123,6 +126,18 @@ def hang():
     say(f"rank {RANK}: the allreduce returned (it must not)")
 
 
+def first_use():
+    fresh = WORLD.Dup()
+    fresh.Set_name("fresh")
+    if RANK == 1:
+        event("sleep")
+        time.sleep(120)  # never joins; the test's own timeout is the backstop
+        return
+    event("wait")
+    mpicoll.allreduce(jnp.ones(3), comm=fresh).block_until_ready()
+    say(f"rank {RANK}: the allreduce returned (it must not)")
+
+
 def sigkill():
     @jax.jit
     def step(x):
@@ -145,7 +160,7 @@ def sigkill():
 
 SCENARIOS = {"raise": raise_on_rank_1, "raise-in-thread": raise_in_a_thread_on_rank_1,
              "check": check, "check-uncaught": check_uncaught,
-             "hang": hang, "sigkill": sigkill}
+             "hang": hang, "first-use": first_use, "sigkill": sigkill}
 
 if __name__ == "__main__":
     say(f"pid {RANK} {os.getpid()}")
