@@ -576,25 +576,35 @@ def run_mpi_phase(args, ctx):
                     continue
                 row = dict(op=op, impl=impl, bytes=nbytes, input_bytes=4 * input_elements,
                            count=count)
-                started = time.perf_counter()
-                try:
+
+                def measure(impl=impl, op=op, count=count, nbytes=nbytes):
                     once, run, timed = setup(ctx, impl, op, count)
                     ok = comm.allreduce(bool(check(once, op, ctx, count)), op=MPI.LAND)
                     repeats = repeats_for(args, nbytes)
                     k, times = (timed(repeats, timer) if timed else
                                 timer.times(run, repeats, amortize=impl.endswith("-jit"),
                                             nbytes=nbytes))
-                    row.update(status=STATUS_OK, correct=ok, k=k, times=times)
-                except Unavailable as error:
-                    row.update(status=STATUS_UNAVAILABLE, note=str(error))
-                except Exception as error:  # recorded, and the run goes on
-                    if ctx.rank == 0:
-                        traceback.print_exc()
-                    row.update(status=STATUS_FAILED, note=f"{type(error).__name__}: {error}")
-                row["seconds"] = time.perf_counter() - started
-                rows.append(row)
-                ctx.progress(row)
+                    return ok, k, times
+
+                rows.append(record(row, measure, ctx))
     return rows
+
+
+def record(row, measure, ctx):
+    """Fill row from measure() -> (correct, k, times); a failure is recorded, the run goes on."""
+    started = time.perf_counter()
+    try:
+        ok, k, times = measure()
+        row.update(status=STATUS_OK, correct=ok, k=k, times=times)
+    except Unavailable as error:
+        row.update(status=STATUS_UNAVAILABLE, note=str(error))
+    except Exception as error:
+        if ctx.rank == 0:
+            traceback.print_exc()
+        row.update(status=STATUS_FAILED, note=f"{type(error).__name__}: {error}")
+    row["seconds"] = time.perf_counter() - started
+    ctx.progress(row)
+    return row
 
 
 # ---------------------------------------------------------------------------
@@ -689,8 +699,8 @@ def run_pytree(args, ctx):
             continue
         row = dict(op="allreduce_pytree", impl=impl, bytes=total_bytes, input_bytes=total_bytes,
                    count=count)
-        started = time.perf_counter()
-        try:
+
+        def measure(impl=impl, build=build):
             once, run, timed = build()
             out = once()
             ok = all(np.array_equal(np.asarray(o), w) for o, w in zip(out, want)) \
@@ -699,16 +709,9 @@ def run_pytree(args, ctx):
             repeats = repeats_for(args, total_bytes)
             k, times = (timed(repeats, timer) if timed else
                         timer.times(run, repeats, amortize="-jit" in impl))
-            row.update(status=STATUS_OK, correct=ok, k=k, times=times)
-        except Unavailable as error:
-            row.update(status=STATUS_UNAVAILABLE, note=str(error))
-        except Exception as error:
-            if ctx.rank == 0:
-                traceback.print_exc()
-            row.update(status=STATUS_FAILED, note=f"{type(error).__name__}: {error}")
-        row["seconds"] = time.perf_counter() - started
-        rows.append(row)
-        ctx.progress(row)
+            return ok, k, times
+
+        rows.append(record(row, measure, ctx))
     return rows
 
 

@@ -388,20 +388,12 @@ def _fusion_buckets(leaves):
 
 
 def _check_leaves(spec, leaves, *, comm, root=0, op=None):
-    """What _validated_params checks, for every leaf (dtype rules once per distinct dtype)."""
-    info = comm_layer.resolve(comm, spec.name)
-    for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):  # in tree order
-        _dtypes_and_ops.dtype_family(dtype, spec.name)
-        if spec.reduces:
-            _dtypes_and_ops.op_code(op, dtype, spec.name)
-    if spec.has_root:
-        _check_root(root, info.size, spec.name)
-    if spec.leading_axis_is_size:
-        for leaf in leaves:
-            if leaf.ndim == 0 or leaf.shape[0] != info.size:
-                raise ValueError(f"mpicoll.{spec.name}: every leaf of x must have shape "
-                                 f"(comm size, ...) = ({info.size}, ...), "
-                                 f"got {tuple(leaf.shape)}")
+    """_validated_params for every leaf: once per distinct (dtype, leading axis), in tree order."""
+    distinct = {}
+    for leaf in leaves:
+        distinct.setdefault((leaf.dtype, leaf.shape[:1]), leaf)
+    for leaf in distinct.values():
+        _validated_params(spec, leaf, comm, root, op, transpose_sums=False)
 
 
 def _fused_leaves(spec, leaves, ordered, **kwargs):

@@ -18,6 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from mpicoll._native import extension
+from conftest import serial_only
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BUILT = extension.build_info()
@@ -50,7 +51,7 @@ def _other_libmpi():
 # Only in the serial run: a subprocess of an mpiexec-launched rank would inherit
 # that rank's launcher environment.  (Skipping depends on the rank count, which
 # every rank shares, never on the rank.)
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="runs in the serial (1-rank) run")
+@serial_only
 def test_import_fails_clearly_when_mpi4py_loads_another_mpi():
     other, libmpi = _other_libmpi()
     if libmpi is None:

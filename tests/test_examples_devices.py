@@ -14,11 +14,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, SIZE, run_mpiexec
+from conftest import REPO, run_mpiexec, serial_only
 
-if SIZE > 1:
-    pytest.skip("the examples are launched under their own mpiexec from the serial run",
-                allow_module_level=True)
+pytestmark = serial_only
 
 EXAMPLES = REPO / "examples"
 TIMEOUT = 300  # seconds per example run

@@ -180,29 +180,28 @@ def test_check_mode_error_left_uncaught_aborts_the_job():
 # ---------------------------------------------------------------------------
 # MPICOLL_TIMEOUT: a rank that never joins.
 
-@serial_only
-def test_timeout_aborts_a_collective_that_never_completes():
-    timeout = 2
-    run = launch(PROGRAM, "hang", env={"MPICOLL_TIMEOUT": str(timeout)})
+def assert_aborted_by_timeout(scenario, message, timeout=2):
+    """Rank 1 never joins: the job ends once rank 0 has waited `timeout` s, saying `message`."""
+    run = launch(PROGRAM, scenario, env={"MPICOLL_TIMEOUT": str(timeout)})
     took = assert_job_ended_fast(run, (0, "wait"), within=timeout + FAIL_FAST)
     assert took >= timeout, f"aborted after {took:.1f} s, before MPICOLL_TIMEOUT={timeout}"
-    assert re.search(r"mpicoll: rank 0 \(rank 0 of mpicoll:solver:device0, local device 0\) "
-                     rf"has waited [\d.]+ s in allreduce \(MPICOLL_TIMEOUT={timeout}\); "
-                     "aborting the job", run.stderr), run.summary()
+    assert re.search(message.format(timeout=timeout), run.stderr), run.summary()
     assert "returned (it must not)" not in run.log, run.summary()
+
+
+@serial_only
+def test_timeout_aborts_a_collective_that_never_completes():
+    assert_aborted_by_timeout(
+        "hang", r"mpicoll: rank 0 \(rank 0 of mpicoll:solver:device0, local device 0\) "
+        r"has waited [\d.]+ s in allreduce \(MPICOLL_TIMEOUT={timeout}\); aborting the job")
 
 
 @serial_only
 def test_timeout_covers_the_collective_setup_at_a_communicators_first_use():
     """The per-device MPI_Comm_dup at first use is collective: watched like a collective."""
-    timeout = 2
-    run = launch(PROGRAM, "first-use", env={"MPICOLL_TIMEOUT": str(timeout)})
-    took = assert_job_ended_fast(run, (0, "wait"), within=timeout + FAIL_FAST)
-    assert took >= timeout, f"aborted after {took:.1f} s, before MPICOLL_TIMEOUT={timeout}"
-    assert re.search(r"mpicoll: rank 0 has waited [\d.]+ s in the first use of communicator "
-                     rf"fresh \(MPI_Comm_dup\) \(MPICOLL_TIMEOUT={timeout}\)", run.stderr), \
-        run.summary()
-    assert "returned (it must not)" not in run.log, run.summary()
+    assert_aborted_by_timeout(
+        "first-use", r"mpicoll: rank 0 has waited [\d.]+ s in the first use of communicator "
+        r"fresh \(MPI_Comm_dup\) \(MPICOLL_TIMEOUT={timeout}\)")
 
 
 # ---------------------------------------------------------------------------

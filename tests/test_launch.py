@@ -17,12 +17,11 @@ from mpi4py import MPI
 
 from mpicoll import topology
 from mpicoll.__main__ import main
+from conftest import serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = ROOT / "launch" / "mpirun.sh"
 WORLD = MPI.COMM_WORLD
-serial_only = pytest.mark.skipif(WORLD.Get_size() > 1,
-                                 reason="starts processes of its own: serial suite only")
 
 
 # ---------------------------------------------------------------------------

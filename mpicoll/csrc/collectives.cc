@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <mpi.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -628,10 +629,10 @@ struct InFlightScope {
 void AdviseHugePages(char* data, size_t bytes) {
 #ifdef MADV_HUGEPAGE
   constexpr size_t kHugePage = size_t{2} << 20;
-  constexpr uintptr_t kPage = 4096;
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   if (bytes < 2 * kHugePage) return;
-  uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kPage - 1) & ~(kPage - 1);
-  uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kPage - 1);
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(page - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #else
   (void)data;
