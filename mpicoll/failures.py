@@ -49,7 +49,7 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
     sys.stderr.write(f"mpicoll: uncaught exception on rank {world.Get_rank()} of "
                      f"{world.Get_size()}{where}; aborting the job\n{text}")
     sys.stderr.flush()
-    world.Abort(1)
+    extension.abort_job(1)  # MPI_Abort, once the launcher has had time to forward the report
 
 
 def install_abort_on_error():

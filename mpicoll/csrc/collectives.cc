@@ -23,6 +23,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -572,6 +573,19 @@ int64_t NowNs() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Ends the whole job after a report was written to stderr.  The launcher
+// forwards a rank's output through a pipe, and on MPI_Abort it may tear the
+// job down before reading what is still in it (seen with MPICH's hydra: the
+// report, and even MPI_Abort's own line, lost in about one run in ten).  A
+// short pause first lets it drain the pipe; the job is ending anyway.
+[[noreturn]] void AbortJob(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort returned (it should not)
+}
+
 void Watchdog() {
   for (;;) {
     double limit = timeout_seconds.load();
@@ -589,16 +603,14 @@ void Watchdog() {
                      "collective, so another rank has not reached its first collective on that "
                      "communicator; aborting the job\n",
                      world_rank, (now - started) * 1e-9, in_flight[d].name.load(), limit);
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 3);
+      } else {
+        std::fprintf(stderr,
+                     "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
+                     "(MPICOLL_TIMEOUT=%g); aborting the job\n",
+                     world_rank, in_flight[d].rank.load(), CommName(in_flight[d].comm).c_str(),
+                     d, (now - started) * 1e-9, in_flight[d].name.load(), limit);
       }
-      std::fprintf(stderr,
-                   "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
-                   "(MPICOLL_TIMEOUT=%g); aborting the job\n",
-                   world_rank, in_flight[d].rank.load(), CommName(in_flight[d].comm).c_str(), d,
-                   (now - started) * 1e-9, in_flight[d].name.load(), limit);
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 3);
+      AbortJob(3);
     }
   }
 }
@@ -906,6 +918,12 @@ PyObject* SetTimeout(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+PyObject* PyAbortJob(PyObject*, PyObject* arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred()) return nullptr;
+  AbortJob(static_cast<int>(code));
+}
+
 PyMethodDef methods[] = {
     {"set_check_mode", SetCheckMode, METH_O, "Compare a fingerprint of each call across ranks."},
     {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
@@ -918,6 +936,8 @@ PyMethodDef methods[] = {
     {"begin_setup", BeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
+    {"abort_job", PyAbortJob, METH_O,
+     "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
      "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};
