@@ -100,6 +100,11 @@ def register_transpose(primitive, rule):
     _ad.primitive_transposes[primitive] = rule
 
 
+def transpose_rule(primitive):
+    """The transpose rule registered for primitive."""
+    return _ad.primitive_transposes[primitive]
+
+
 def register_batching(primitive, rule):
     """rule(args, batch_dims, **params) -> (out, out_batch_dim); called when some arg is batched."""
     def batcher(axis_data, args, dims, **params):

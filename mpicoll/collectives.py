@@ -71,7 +71,7 @@ class Collective:
 
 def _run(name, x, params, **changes):
     """Bind collective `name` with params (used by rules that call other collectives)."""
-    return PRIMITIVES[name].bind(x, **{**params, **changes, "ordered": True})
+    return PRIMITIVES[name].bind(x, **{**params, **changes, "ordered": True, "alias": True})
 
 
 def _rank(params):
@@ -183,19 +183,34 @@ def _reduction_tangent(spec, x, y, t, params):
 # ---------------------------------------------------------------------------
 # The shared mechanism.
 
+# vmap: one call for the whole batch.  The rank axis must stay leading, so a
+# batch axis in front of it moves behind it; the output's batch axis then
+# shifts by the rank axes the op adds (gather) or removes (scatter).
+def _rank_axis_first(spec, x, dim):
+    if spec.leading_axis_is_size and dim == 0:
+        return jnp.moveaxis(x, 0, 1), 1
+    return x, dim
+
+
+def _out_batch_dim(x, dim, out):
+    return None if dim is None else dim + out.ndim - x.ndim
+
+
 def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
-    def abstract_eval(x, *, comm, size, root, op, transpose_sums, ordered):
+    def abstract_eval(x, *, comm, size, root, op, transpose_sums, ordered, alias):
         effects = {mpi_effect} if ordered else set()
         return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), effects
 
-    def lowering(ctx, x, *, comm, size, root, op, transpose_sums, ordered):
+    def lowering(ctx, x, *, comm, size, root, op, transpose_sums, ordered, alias):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # In-place ops alias their output to x (operand 1 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
         # buffer and no output is allocated; otherwise XLA copies x first.
-        aliases = {1: 1} if spec.in_place else None
+        # Eager programs do not alias (alias=False): their input is the
+        # caller's array, never donated, so aliasing would only add that copy.
+        aliases = {1: 1} if spec.in_place and alias else None
         call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True,
                                     operand_output_aliases=aliases)
         token, out = call(_compat.with_token_avals(ctx), token, x,
@@ -205,14 +220,10 @@ def _make_primitive(spec):
         return [out]
 
     def batch(args, dims, **params):
-        # One call for the whole batch.  The rank axis must stay leading, so a
-        # batch axis in front of it moves behind it; the output's batch axis
-        # then shifts by the rank axes the op adds (gather) or removes (scatter).
         (x,), (dim,) = args, dims
-        if spec.leading_axis_is_size and dim == 0:
-            x, dim = jnp.moveaxis(x, 0, 1), 1
+        x, dim = _rank_axis_first(spec, x, dim)
         out = primitive.bind(x, **params)
-        return out, dim + out.ndim - x.ndim
+        return out, _out_batch_dim(x, dim, out)
 
     def jvp(primals, tangents, **params):
         (x,), (t,) = primals, tangents
@@ -242,6 +253,71 @@ def _make_primitive(spec):
 
 PRIMITIVES = {spec.name: _make_primitive(spec) for spec in SPECS}
 _SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
+
+
+def _make_fused_primitive(spec):
+    """The collective applied to n arrays of one dtype in one MPI message (pytrees).
+
+    It means exactly one `spec` collective per array, with the same params; the
+    FFI handler packs the arrays into one message and unpacks the result.  Its
+    rules are those of the single-array primitive, applied array by array, so
+    vmap and the forward pass stay fused; cotangents run per array.
+    """
+    primitive = Primitive(f"{spec.target}_fused")
+    primitive.multiple_results = True
+    single = PRIMITIVES[spec.name]
+
+    def abstract_eval(*xs, comm, size, root, op, transpose_sums, ordered, alias):
+        effects = {mpi_effect} if ordered else set()
+        return [_compat.aval_with_shape(x, spec.out_shape(x.shape, size)) for x in xs], effects
+
+    def lowering(ctx, *xs, comm, size, root, op, transpose_sums, ordered, alias):
+        token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
+        # As for one array: outputs alias inputs where the shapes agree, which
+        # in a loop saves XLA one copy per carried array and iteration.
+        aliases = ({i + 1: i + 1 for i in range(len(xs))} if spec.in_place and alias
+                   else None)
+        call = jax.ffi.ffi_lowering(primitive.name, has_side_effect=True,
+                                    operand_output_aliases=aliases)
+        token, *outs = call(_compat.with_token_avals(ctx), token, *xs,
+                            comm=np.int64(comm), root=np.int64(root), op=np.int64(op))
+        if ordered:
+            _compat.set_token_out(ctx, mpi_effect, token)
+        return outs
+
+    def batch(args, dims, **params):
+        moved = [_rank_axis_first(spec, x, dim) for x, dim in zip(args, dims)]
+        outs = primitive.bind(*(x for x, _ in moved), **params)
+        return outs, [_out_batch_dim(x, dim, out) for (x, dim), out in zip(moved, outs)]
+
+    def jvp(primals, tangents, **params):
+        ys = primitive.bind(*primals, **params)
+        if spec.reduces and params["op"] != _SUM:
+            return ys, [_compat.zero_tangent(jax.typeof(y)) if type(t) is _compat.Zero
+                        else _reduction_tangent(spec, x, y, t, params)
+                        for x, y, t in zip(primals, ys, tangents)]
+        # Linear: the nonzero tangents travel fused too.
+        live = [i for i, t in enumerate(tangents) if type(t) is not _compat.Zero]
+        outs = [_compat.zero_tangent(jax.typeof(y)) for y in ys]
+        if live:
+            for i, out in zip(live, primitive.bind(*(tangents[i] for i in live), **params)):
+                outs[i] = out
+        return ys, outs
+
+    def transpose(cts, *xs, **params):
+        return [single_transpose(ct, x, **params)[0] for ct, x in zip(cts, xs)]
+
+    single_transpose = _compat.transpose_rule(single)
+    primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args, **params))
+    primitive.def_effectful_abstract_eval(abstract_eval)
+    _compat.register_lowering(primitive, lowering, platform="cpu")
+    _compat.register_batching(primitive, batch)
+    _compat.register_jvp(primitive, jvp)
+    _compat.register_transpose(primitive, transpose)
+    return primitive
+
+
+FUSED_PRIMITIVES = {spec.name: _make_fused_primitive(spec) for spec in SPECS}
 
 
 def _as_array(x, caller):
@@ -285,7 +361,7 @@ def _validated_params(spec, x, comm, root, op, transpose_sums):
                    transpose_sums=bool(transpose_sums))
 
 
-def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True):
+def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
 
     ordered=False only for a program that runs synchronously with a single MPI
@@ -296,7 +372,7 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True)
         if isinstance(x, jax.Array):
             return _eager(spec, x, comm, root, op, transpose_sums)
     x, params = _validated_params(spec, x, comm, root, op, transpose_sums)
-    return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered)
+    return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
 
 
 # Eager calls: one compiled program per (collective, communicator slot, root, op,
@@ -331,14 +407,17 @@ def _eager(spec, x, comm, root, op, transpose_sums):
 @functools.lru_cache(maxsize=None)
 def _eager_program(name, params):
     primitive = PRIMITIVES[name]
-    return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False))
+    return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False, alias=False))
 
 
 # ---------------------------------------------------------------------------
-# Pytrees: leaves of one dtype travel fused in one MPI message (tensor fusion),
-# in buckets of at most FUSION_BYTES, and come back in the tree's structure.
+# Pytrees: small leaves of one dtype travel fused in one MPI message (tensor
+# fusion), in buckets of at most FUSION_BYTES; a leaf above FUSION_LEAF_BYTES
+# goes alone, zero-copy, since copying it would cost more than a call (~3 us).
+# The result keeps the tree's structure.
 
-FUSION_BYTES = 64 * 1024 * 1024
+FUSION_BYTES = 4 * 1024 * 1024
+FUSION_LEAF_BYTES = 256 * 1024
 
 
 def _collective(spec, x, **kwargs):
@@ -355,14 +434,15 @@ def _collective(spec, x, **kwargs):
     kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
     if spec.reduces:
         kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
-    # One compiled program for the whole tree (concatenate, MPI, split), cached.
-    # Eagerly, a tree that fuses into one message runs like an eager array call:
-    # synchronously and without the ordered effect, so JAX dispatches it on its
-    # C++ fast path (a program with effects takes the Python path, ~0.2 ms with
+    # One compiled program for the whole tree, cached.  Eagerly, a tree that
+    # fuses into one message runs like an eager array call: synchronously and
+    # without the ordered effect, so JAX dispatches it on its C++ fast path (a
+    # program with effects takes its Python path: 3 ms instead of 0.3 ms with
     # 100 leaves).  Several messages in one program need the tokens to keep
-    # their order.
-    ordered = not (_compat.at_top_level() and len(_fusion_buckets(leaves)) == 1)
-    program = _fused_program(spec, ordered=ordered, **kwargs)
+    # their order.  Eager inputs are the caller's arrays, so never aliased.
+    top_level = _compat.at_top_level()
+    ordered = not (top_level and len(_messages(leaves)) == 1)
+    program = _fused_program(spec, ordered=ordered, alias=not top_level, **kwargs)
     if ordered:
         return jax.tree.unflatten(treedef, program(tuple(leaves)))
     jax.effects_barrier()
@@ -374,17 +454,22 @@ def _fused_program(spec, **kwargs):
     return jax.jit(functools.partial(_fused_leaves, spec, **kwargs))
 
 
-def _fusion_buckets(leaves):
-    """Leaf indices grouped by dtype into buckets of at most FUSION_BYTES (one message each)."""
-    buckets = {}  # dtype -> [[indices, bytes], ...]
+def _messages(leaves):
+    """Leaf indices grouped into MPI messages, the same on every rank: a large
+    leaf alone, small leaves of one dtype together up to FUSION_BYTES."""
+    messages, open_buckets = [], {}  # open_buckets: dtype -> [indices, bytes]
     for index, leaf in enumerate(leaves):
-        per_dtype = buckets.setdefault(leaf.dtype, [[[], 0]])
         nbytes = leaf.size * leaf.dtype.itemsize
-        if per_dtype[-1][0] and per_dtype[-1][1] + nbytes > FUSION_BYTES:
-            per_dtype.append([[], 0])
-        per_dtype[-1][0].append(index)
-        per_dtype[-1][1] += nbytes
-    return [indices for per_dtype in buckets.values() for indices, _ in per_dtype]
+        if nbytes > FUSION_LEAF_BYTES:
+            messages.append([index])
+            continue
+        bucket = open_buckets.get(leaf.dtype)
+        if bucket is None or bucket[1] + nbytes > FUSION_BYTES:
+            bucket = open_buckets[leaf.dtype] = [[], 0]
+            messages.append(bucket[0])
+        bucket[0].append(index)
+        bucket[1] += nbytes
+    return messages
 
 
 def _check_leaves(spec, leaves, *, comm, root=0, op=None):
@@ -396,18 +481,19 @@ def _check_leaves(spec, leaves, *, comm, root=0, op=None):
         _validated_params(spec, leaf, comm, root, op, transpose_sums=False)
 
 
-def _fused_leaves(spec, leaves, ordered, **kwargs):
-    size = comm_layer.resolve(kwargs["comm"], spec.name).size
-    rows = size if spec.leading_axis_is_size else 1  # rank blocks stay leading
+def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
     results = [None] * len(leaves)
-    for indices in _fusion_buckets(leaves):
-        flat = [leaves[i].reshape(rows, -1) for i in indices]
-        fused = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
-        out = _bind(spec, fused if spec.leading_axis_is_size else fused[0], ordered=ordered,
-                    **kwargs)
-        ends = np.cumsum([f.shape[1] for f in flat])[:-1]
-        for i, part in zip(indices, jnp.split(out, ends, axis=-1)):
-            results[i] = part.reshape(spec.out_shape(leaves[i].shape, size))
+    for indices in _messages(leaves):
+        if len(indices) == 1:
+            results[indices[0]] = _bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
+                                        **kwargs)
+            continue
+        _, params = _validated_params(spec, leaves[indices[0]], kwargs["comm"],
+                                      kwargs.get("root", 0), kwargs.get("op"), False)
+        outs = FUSED_PRIMITIVES[spec.name].bind(*(leaves[i] for i in indices), **params,
+                                                ordered=ordered, alias=alias)
+        for i, out in zip(indices, outs):
+            results[i] = out
     return results
 
 
