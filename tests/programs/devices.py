@@ -92,6 +92,16 @@ check("pmap per-device alltoall", local_pmap(lambda v: mpicoll.alltoall(v))(A[MI
 check("pmap per-device scatter", local_pmap(lambda v: mpicoll.scatter(v, 0))(A[MINE]),
       np.stack([ablocks[0, k, RANK] for k in range(LOCAL)]))
 
+# Pytrees: every device thread packs its own fused message at the same time.
+Y = data((2, 2), seed=3)
+ygroups = Y.reshape(SIZE, LOCAL, 2, 2)
+for attempt in range(10):
+    tree = local_pmap(lambda v, w: mpicoll.allgather({"v": v, "w": [w, 2 * w]}))(X[MINE], Y[MINE])
+    check(f"pmap per-device pytree allgather {attempt}", tree["v"],
+          np.stack([groups[:, k] for k in range(LOCAL)]))
+    check(f"pmap per-device pytree allgather {attempt} (2nd leaf)", tree["w"][1],
+          np.stack([2 * ygroups[:, k] for k in range(LOCAL)]))
+
 # --- global collectives against lax over one axis of all participants ---------
 G = data((4, 3), seed=1)
 W = data((4, 3), seed=2)  # per-participant weights make the objectives rank-dependent
