@@ -251,7 +251,7 @@ def test_mpi_error_is_raised_naming_op_rank_comm_and_mpi_error():
         info = comm_layer.resolve(solver, "test")
         bad = jax.jit(lambda x: collectives.PRIMITIVES["bcast"].bind(
             x, comm=info.slot, size=info.size, root=info.size + 3, op=-1, transpose_sums=False,
-            ordered=True))
+            ordered=True, alias=True))
         with pytest.raises(Exception) as caught:
             bad(jnp.ones(3)).block_until_ready()
         assert_in_step(11)
