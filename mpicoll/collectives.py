@@ -413,8 +413,10 @@ def _eager_program(name, params):
 # ---------------------------------------------------------------------------
 # Pytrees: small leaves of one dtype travel fused in one MPI message (tensor
 # fusion), in buckets of at most FUSION_BYTES; a leaf above FUSION_LEAF_BYTES
-# goes alone, zero-copy, since copying it would cost more than a call (~3 us).
-# The result keeps the tree's structure.
+# goes alone, zero-copy.  Measured in a jitted loop, 2 ranks, 16 float32
+# leaves: fused / one call per leaf = 1/2.5 at 4 KiB, 1/3.6 at 16 KiB, 1/1.8
+# at 64 KiB, 1/1.2 at 256 KiB, but 1.5 at 1 MiB, where packing costs more
+# than the calls it saves.  The result keeps the tree's structure.
 
 FUSION_BYTES = 4 * 1024 * 1024
 FUSION_LEAF_BYTES = 256 * 1024
