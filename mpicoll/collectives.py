@@ -436,19 +436,22 @@ def _collective(spec, x, **kwargs):
     kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
     if spec.reduces:
         kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
-    # One compiled program for the whole tree, cached.  Eagerly, a tree that
-    # fuses into one message runs like an eager array call: synchronously and
-    # without the ordered effect, so JAX dispatches it on its C++ fast path (a
-    # program with effects takes its Python path: 3 ms instead of 0.3 ms with
-    # 100 leaves).  Several messages in one program need the tokens to keep
-    # their order.  Eager inputs are the caller's arrays, so never aliased.
-    top_level = _compat.at_top_level()
-    ordered = not (top_level and len(_messages(leaves)) == 1)
-    program = _fused_program(spec, ordered=ordered, alias=not top_level, **kwargs)
-    if ordered:
+    if not _compat.at_top_level():  # one program for the tree, its messages in order
+        program = _fused_program(spec, ordered=True, alias=True, **kwargs)
         return jax.tree.unflatten(treedef, program(tuple(leaves)))
+    # Eagerly, each message runs like an eager array call: its own cached
+    # program, synchronously and without the ordered effect, so JAX dispatches
+    # it on its C++ fast path (a program with effects takes its Python path,
+    # 1.6 ms instead of 0.45 ms with 100 arrays); completing each before the
+    # next keeps the order.  Eager inputs are the caller's arrays: no aliasing.
+    program = _fused_program(spec, ordered=False, alias=False, **kwargs)
+    results = [None] * len(leaves)
     jax.effects_barrier()
-    return jax.tree.unflatten(treedef, jax.block_until_ready(program(tuple(leaves))))
+    for indices in _messages(leaves):
+        outs = jax.block_until_ready(program(tuple(leaves[i] for i in indices)))
+        for i, out in zip(indices, outs):
+            results[i] = out
+    return jax.tree.unflatten(treedef, results)
 
 
 @functools.lru_cache(maxsize=None)
@@ -484,8 +487,11 @@ def _check_leaves(spec, leaves, *, comm, root=0, op=None):
 
 
 def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
+    messages = _messages(leaves)
+    # Without the ordered effect nothing orders two messages in one program.
+    assert ordered or len(messages) == 1, "an unordered program holds one message"
     results = [None] * len(leaves)
-    for indices in _messages(leaves):
+    for indices in messages:
         if len(indices) == 1:
             results[indices[0]] = _bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
                                         **kwargs)
