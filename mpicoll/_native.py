@@ -1,6 +1,7 @@
 """Load the FFI extension, check it matches mpi4py's MPI, register the targets."""
 
 import atexit
+import os
 
 import jax
 from mpi4py import MPI  # initializes MPI (THREAD_MULTIPLE unless the user chose otherwise)
@@ -37,8 +38,57 @@ if THREAD_LEVEL < MPI.THREAD_MULTIPLE:
         f"Python may call MPI too, but MPI provides thread level {THREAD_LEVEL}. "
         "Do not lower mpi4py.rc.thread_level, and use an MPI built with thread support.")
 
-for _name, _capsule in extension.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+# The platforms this build has handlers for: ("cpu",) or ("cpu", "cuda").
+PLATFORMS = tuple(extension.build_info()["platforms"])
+
+# jax.ffi's names for them (its examples register GPU handlers as "CUDA").
+_FFI_PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
+for _platform in PLATFORMS:
+    for _name, _capsule in extension.registrations(_platform).items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform=_FFI_PLATFORM_NAMES[_platform])
+
+
+# --- GPU transport -------------------------------------------------------------
+# Chosen once, here: device pointers straight to MPI when the MPI library says it
+# is CUDA-aware (or MPICOLL_GPU_TRANSPORT=cuda-aware forces it), else pinned host
+# staging.  MPICOLL_GPU_CHUNK_BYTES sets the staging pipeline's chunk (0 = none).
+GPU_TRANSPORTS = ("auto", "staged", "cuda-aware")
+DEFAULT_GPU_CHUNK_BYTES = 4 << 20
+
+
+def cuda_aware_mpi():
+    """True/False as MPIX_Query_cuda_support() says, None where the MPI cannot tell."""
+    query = getattr(extension, "cuda_aware_mpi", None)
+    return query() if query else None
+
+
+def _choose_gpu_transport():
+    """(transport, reason, chunk bytes) from the environment and the MPI library."""
+    asked = os.environ.get("MPICOLL_GPU_TRANSPORT", "auto").strip().lower() or "auto"
+    if asked not in GPU_TRANSPORTS:
+        raise ImportError(f"mpicoll: MPICOLL_GPU_TRANSPORT={asked!r}; use one of "
+                          f"{', '.join(GPU_TRANSPORTS)}")
+    raw_chunk = os.environ.get("MPICOLL_GPU_CHUNK_BYTES", str(DEFAULT_GPU_CHUNK_BYTES))
+    try:
+        chunk = int(raw_chunk)
+        if chunk < 0:
+            raise ValueError
+    except ValueError:
+        raise ImportError(f"mpicoll: MPICOLL_GPU_CHUNK_BYTES={raw_chunk!r} must be a "
+                          "non-negative integer (bytes; 0 = no pipelining)") from None
+    if asked != "auto":
+        return asked, f"MPICOLL_GPU_TRANSPORT={asked}", chunk
+    aware = cuda_aware_mpi()
+    if aware:
+        return "cuda-aware", "the MPI library is CUDA-aware (MPIX_Query_cuda_support)", chunk
+    why = ("the MPI library is not CUDA-aware" if aware is False
+           else "the MPI library cannot say whether it is CUDA-aware")
+    return "staged", f"{why}: pinned host staging", chunk
+
+
+GPU_TRANSPORT, GPU_TRANSPORT_REASON, GPU_CHUNK_BYTES = _choose_gpu_transport()
+if "cuda" in PLATFORMS:
+    extension.set_gpu_transport(GPU_TRANSPORT == "cuda-aware", GPU_CHUNK_BYTES)
 
 
 @atexit.register

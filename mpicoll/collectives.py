@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _dtypes_and_ops, comm as comm_layer
+from . import _compat, _dtypes_and_ops, _native, comm as comm_layer
 
 
 class MPIEffect(_compat.Effect):
@@ -183,6 +183,48 @@ def _reduction_tangent(spec, x, y, t, params):
 # ---------------------------------------------------------------------------
 # The shared mechanism.
 
+# Every mpicoll primitive lowers to the same custom call on every platform; the
+# handler registered for the platform (cpu, or cuda when built with it) runs it.
+LOWERING_PLATFORMS = ("cpu", "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_present(platform):
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+def _register_lowerings(primitive, rule):
+    for platform in LOWERING_PLATFORMS:
+        _compat.register_lowering(primitive, _lowering_for(platform, rule), platform=platform)
+
+
+def _lowering_for(platform, rule):
+    if platform in _native.PLATFORMS:
+        return rule
+
+    def missing_handlers(ctx, *args, **params):
+        # Lowering for a platform this process does not have (cross-lowering,
+        # e.g. for cuda on a CPU-only machine) emits the call; running it here
+        # would reach XLA without a handler, so say how to build one instead.
+        if _backend_present(platform):
+            raise NotImplementedError(
+                f"mpicoll.{_primitive_name(ctx)}: this mpicoll build has no {platform} "
+                f"handlers, so it cannot run on {platform} arrays. Rebuild it with CUDA "
+                "support: `MPICOLL_CUDA=1 make install` (or `MPICOLL_CUDA=1 pip install "
+                "--no-build-isolation .`), with cuda.h under $CUDA_HOME/include; "
+                "`python -m mpicoll info` shows what a build supports")
+        return rule(ctx, *args, **params)
+    return missing_handlers
+
+
+def _primitive_name(ctx):
+    """The collective a lowering context belongs to, for messages (mpicoll_allreduce -> allreduce)."""
+    name = getattr(ctx, "primitive", None)
+    return getattr(name, "name", "collective").removeprefix("mpicoll_")
+
 # vmap: one call for the whole batch.  The rank axis must stay leading, so a
 # batch axis in front of it moves behind it; the output's batch axis then
 # shifts by the rank axes the op adds (gather) or removes (scatter).
@@ -244,7 +286,7 @@ def _make_primitive(spec):
 
     primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args, **params))
     primitive.def_effectful_abstract_eval(abstract_eval)
-    _compat.register_lowering(primitive, lowering, platform="cpu")
+    _register_lowerings(primitive, lowering)
     _compat.register_batching(primitive, batch)
     _compat.register_jvp(primitive, jvp)
     _compat.register_transpose(primitive, transpose)
@@ -310,7 +352,7 @@ def _make_fused_primitive(spec):
     single_transpose = _compat.transpose_rule(single)
     primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args, **params))
     primitive.def_effectful_abstract_eval(abstract_eval)
-    _compat.register_lowering(primitive, lowering, platform="cpu")
+    _register_lowerings(primitive, lowering)
     _compat.register_batching(primitive, batch)
     _compat.register_jvp(primitive, jvp)
     _compat.register_transpose(primitive, transpose)
@@ -522,7 +564,7 @@ def _barrier_lowering(ctx, *, comm):
     return []
 
 
-_compat.register_lowering(barrier_p, _barrier_lowering, platform="cpu")
+_register_lowerings(barrier_p, _barrier_lowering)
 
 
 # ---------------------------------------------------------------------------

@@ -1,15 +1,19 @@
-// XLA FFI handlers that run MPI collectives directly on XLA's CPU buffers.
+// XLA FFI handlers that run MPI collectives directly on XLA's buffers.
 //
 // Every data collective has the same FFI signature, (token, x) -> (token, out)
-// plus the attributes comm/root/op, so one binding (kDataBinding) and one entry
-// template (DataEntry) serve them all; each collective is a short function that
-// receives a decoded `Call` and returns an MPI error code.  Errors travel one
-// path: a failed MPI call becomes an ffi::Error naming the op, the MPI error
-// string, the rank and the communicator, raised in Python as a runtime error.
+// plus the attributes comm/root/op, so one binding serves them all.  Each
+// collective is a row of facts and a short chunk body (MPICOLL_OPS); one loop
+// (RunCollective) runs any of them over any memory strategy: XLA's host
+// buffers on CPU, and on GPUs either device pointers handed to a CUDA-aware
+// MPI or pinned host staging with a copy pipeline (cuda_memory.h, compiled
+// with MPICOLL_CUDA).  Errors travel one path: a failed MPI call becomes an
+// ffi::Error naming the op, the MPI error string, the rank and the
+// communicator, raised in Python as a runtime error.
 //
-// Counts above INT_MAX elements are handled by chunking: reductions and bcast
-// loop over element ranges; block collectives (gather/scatter/alltoall) move
-// each range of every block with a datatype whose extent is the whole block.
+// Counts above INT_MAX elements are handled by chunking: each MPI call moves
+// one element range of every rank block, with a datatype whose extent is the
+// whole block where a buffer has several blocks.  The GPU pipeline uses the
+// same chunks.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,6 +36,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#ifdef MPICOLL_CUDA  // GPU support (cuda_memory.h); the CUDA driver is loaded at run time
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <mutex>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -278,7 +289,10 @@ MPI_Op ReductionOp(ffi::DataType t, int64_t op) {
 }
 
 // ---------------------------------------------------------------------------
-// One decoded call: what every collective body needs.
+// One decoded call: what every collective body needs.  `in`/`out` are the
+// buffers MPI reads and writes: XLA's own on CPU (and with CUDA-aware MPI),
+// pinned host staging buffers when GPU data is staged (see the memory
+// strategies below).
 struct Call {
   const char* name;
   MPI_Comm comm;
@@ -295,156 +309,125 @@ struct Call {
   size_t out_count;
 };
 
+bool InPlace(const Call& c) { return c.in == c.out; }
+
 // Largest element count passed to a single MPI call (fits an int, and keeps
 // a derived block type's byte size far from overflow).
 constexpr size_t kMaxChunk = size_t{1} << 30;
 
-template <typename Fn>
-int ForEachChunk(size_t count, Fn&& fn) {
-  for (size_t offset = 0; offset < count; offset += kMaxChunk) {
-    int rc = fn(offset, static_cast<int>(std::min(kMaxChunk, count - offset)));
-    if (rc != MPI_SUCCESS) return rc;
-  }
-  return MPI_SUCCESS;
-}
+// Every buffer of a collective is made of rank blocks of `block` elements
+// (one block for bcast/reduce/allreduce and for a gather's input; `size`
+// blocks for a gather's output, a scatter's input, alltoall).  A collective
+// runs as one MPI call per chunk: the element range [offset, offset + count)
+// of every block.  Chunks exist for two reasons, handled by the same loop:
+// counts above INT_MAX, and the GPU staging pipeline (copy chunk k+1 in and
+// chunk k-1 out while MPI moves chunk k).
+struct Chunk {
+  size_t offset;  // elements into each block
+  int count;      // elements of each block in this chunk
+  size_t block;   // elements per block
+  size_t at(const Call& c) const { return offset * c.elem_bytes; }
+};
 
-// A datatype covering `n` elements whose extent is a whole block of `block`
-// elements: with count 1 per rank it addresses the same range in every block.
-struct BlockRangeType {
-  MPI_Datatype contiguous = MPI_DATATYPE_NULL;
-  MPI_Datatype type = MPI_DATATYPE_NULL;
+// How a chunk of every rank's block is described to MPI: plain counts when
+// the chunk is the whole block, else one element of a type covering `count`
+// elements whose extent is a whole block, so consecutive ranks' ranges are a
+// block apart.
+struct RankBlocks {
+  MPI_Datatype type;
+  int count;
   int rc = MPI_SUCCESS;
-  BlockRangeType(MPI_Datatype base, int n, size_t block, size_t elem_bytes) {
-    rc = MPI_Type_contiguous(n, base, &contiguous);
-    if (rc == MPI_SUCCESS)
-      rc = MPI_Type_create_resized(contiguous, 0, static_cast<MPI_Aint>(block * elem_bytes), &type);
-    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&type);
+  MPI_Datatype contiguous_ = MPI_DATATYPE_NULL, resized_ = MPI_DATATYPE_NULL;
+  RankBlocks(const Call& c, const Chunk& k) : type(c.type), count(k.count) {
+    if (static_cast<size_t>(k.count) == k.block) return;
+    rc = MPI_Type_contiguous(k.count, c.type, &contiguous_);
+    if (rc == MPI_SUCCESS) {
+      rc = MPI_Type_create_resized(contiguous_, 0, static_cast<MPI_Aint>(k.block * c.elem_bytes),
+                                   &resized_);
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&resized_);
+    type = resized_;
+    count = 1;
   }
-  ~BlockRangeType() {
-    if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
-    if (contiguous != MPI_DATATYPE_NULL) MPI_Type_free(&contiguous);
+  ~RankBlocks() {
+    if (resized_ != MPI_DATATYPE_NULL) MPI_Type_free(&resized_);
+    if (contiguous_ != MPI_DATATYPE_NULL) MPI_Type_free(&contiguous_);
   }
 };
 
 // ---------------------------------------------------------------------------
-// The collectives.  Each receives the decoded call and returns an MPI code.
-// `in_count`/`out_count` are element counts of the whole local buffers.
+// The collectives, one MPI call per chunk.  Zeroing the output off root
+// (reduce, gather) and bcast's copy of its input are done by the memory
+// strategy, which knows where the buffers live.
 
-bool InPlace(const Call& c) { return c.in == c.out; }
-
-int Bcast(const Call& c) {
-  if (!InPlace(c) && c.rank == c.root) std::memcpy(c.out, c.in, c.out_count * c.elem_bytes);
-  return ForEachChunk(c.out_count, [&](size_t off, int n) {
-    return MPI_Bcast(c.out + off * c.elem_bytes, n, c.type, c.root, c.comm);
-  });
+int BcastChunk(const Call& c, const Chunk& k) {
+  return MPI_Bcast(c.out + k.at(c), k.count, c.type, c.root, c.comm);
 }
+
+int AllreduceChunk(const Call& c, const Chunk& k) {
+  const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Allreduce(send, c.out + k.at(c), k.count, c.type, c.mpi_op, c.comm);
+}
+
+int ReduceChunk(const Call& c, const Chunk& k) {
+  const void* send = (InPlace(c) && c.rank == c.root) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Reduce(send, c.out + k.at(c), k.count, c.type, c.mpi_op, c.root, c.comm);
+}
+
+int GatherChunk(const Call& c, const Chunk& k) {
+  RankBlocks out(c, k);
+  if (out.rc != MPI_SUCCESS) return out.rc;
+  return MPI_Gather(c.in + k.at(c), k.count, c.type, c.out + k.at(c), out.count, out.type,
+                    c.root, c.comm);
+}
+
+int AllgatherChunk(const Call& c, const Chunk& k) {
+  RankBlocks out(c, k);
+  if (out.rc != MPI_SUCCESS) return out.rc;
+  return MPI_Allgather(c.in + k.at(c), k.count, c.type, c.out + k.at(c), out.count, out.type,
+                       c.comm);
+}
+
+int ScatterChunk(const Call& c, const Chunk& k) {
+  RankBlocks in(c, k);
+  if (in.rc != MPI_SUCCESS) return in.rc;
+  return MPI_Scatter(c.in + k.at(c), in.count, in.type, c.out + k.at(c), k.count, c.type, c.root,
+                     c.comm);
+}
+
+int AlltoallChunk(const Call& c, const Chunk& k) {
+  RankBlocks blocks(c, k);
+  if (blocks.rc != MPI_SUCCESS) return blocks.rc;
+  const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Alltoall(send, blocks.count, blocks.type, c.out + k.at(c), blocks.count, blocks.type,
+                      c.comm);
+}
+
+int Barrier(const Call& c) { return MPI_Barrier(c.comm); }
 
 // MPI applies no operator when a communicator has one rank, so logical ops on
 // integers would return the input unchanged; give 0/1 as with several ranks.
+// Runs on host bytes (XLA's CPU buffers or the GPU staging buffers).
 template <typename Word>
 void ToTruth(char* data, size_t count) {
   Word* words = reinterpret_cast<Word*>(data);
   for (size_t i = 0; i < count; ++i) words[i] = words[i] != 0;
 }
 
-int NormalizeLogical(const Call& c) {
-  if (c.size != 1 || (c.op != kLand && c.op != kLor && c.op != kLxor)) return MPI_SUCCESS;
+bool NeedsTruthValues(const Call& c) {
+  return c.size == 1 && (c.op == kLand || c.op == kLor || c.op == kLxor);
+}
+
+void NormalizeLogical(const Call& c, const Chunk& k) {
+  if (!NeedsTruthValues(c)) return;
+  char* data = c.out + k.at(c);
   switch (c.elem_bytes) {
-    case 1: ToTruth<uint8_t>(c.out, c.out_count); break;
-    case 2: ToTruth<uint16_t>(c.out, c.out_count); break;
-    case 4: ToTruth<uint32_t>(c.out, c.out_count); break;
-    case 8: ToTruth<uint64_t>(c.out, c.out_count); break;
+    case 1: ToTruth<uint8_t>(data, k.count); break;
+    case 2: ToTruth<uint16_t>(data, k.count); break;
+    case 4: ToTruth<uint32_t>(data, k.count); break;
+    case 8: ToTruth<uint64_t>(data, k.count); break;
   }
-  return MPI_SUCCESS;
 }
-
-int Allreduce(const Call& c) {
-  int rc = ForEachChunk(c.out_count, [&](size_t off, int n) {
-    size_t at = off * c.elem_bytes;
-    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + at;
-    return MPI_Allreduce(send, c.out + at, n, c.type, c.mpi_op, c.comm);
-  });
-  return rc == MPI_SUCCESS ? NormalizeLogical(c) : rc;
-}
-
-int Reduce(const Call& c) {
-  const bool is_root = c.rank == c.root;
-  int rc = ForEachChunk(c.out_count, [&](size_t off, int n) {
-    size_t at = off * c.elem_bytes;
-    const void* send = (InPlace(c) && is_root) ? MPI_IN_PLACE : c.in + at;
-    return MPI_Reduce(send, c.out + at, n, c.type, c.mpi_op, c.root, c.comm);
-  });
-  // Output shapes do not depend on the rank; non-root ranks get zeros.
-  if (rc == MPI_SUCCESS && !is_root) std::memset(c.out, 0, c.out_count * c.elem_bytes);
-  return rc == MPI_SUCCESS ? NormalizeLogical(c) : rc;
-}
-
-// Block collectives: every rank's block has `block` elements.  A block that
-// fits one call uses plain counts; a larger one is moved range by range.
-int Gather(const Call& c) {
-  const size_t block = c.in_count;
-  const bool is_root = c.rank == c.root;
-  int rc;
-  if (block <= kMaxChunk) {
-    rc = MPI_Gather(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
-                    c.type, c.root, c.comm);
-  } else {
-    rc = ForEachChunk(block, [&](size_t off, int n) {
-      BlockRangeType range(c.type, n, block, c.elem_bytes);
-      if (range.rc != MPI_SUCCESS) return range.rc;
-      size_t at = off * c.elem_bytes;
-      return MPI_Gather(c.in + at, n, c.type, c.out + at, 1, range.type, c.root, c.comm);
-    });
-  }
-  if (rc == MPI_SUCCESS && !is_root) std::memset(c.out, 0, c.out_count * c.elem_bytes);
-  return rc;
-}
-
-int Allgather(const Call& c) {
-  const size_t block = c.in_count;
-  if (block <= kMaxChunk) {
-    return MPI_Allgather(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
-                         c.type, c.comm);
-  }
-  return ForEachChunk(block, [&](size_t off, int n) {
-    BlockRangeType range(c.type, n, block, c.elem_bytes);
-    if (range.rc != MPI_SUCCESS) return range.rc;
-    size_t at = off * c.elem_bytes;
-    return MPI_Allgather(c.in + at, n, c.type, c.out + at, 1, range.type, c.comm);
-  });
-}
-
-int Scatter(const Call& c) {
-  const size_t block = c.out_count;
-  if (block <= kMaxChunk) {
-    return MPI_Scatter(c.in, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
-                       c.type, c.root, c.comm);
-  }
-  return ForEachChunk(block, [&](size_t off, int n) {
-    BlockRangeType range(c.type, n, block, c.elem_bytes);
-    if (range.rc != MPI_SUCCESS) return range.rc;
-    size_t at = off * c.elem_bytes;
-    return MPI_Scatter(c.in + at, 1, range.type, c.out + at, n, c.type, c.root, c.comm);
-  });
-}
-
-int Alltoall(const Call& c) {
-  const size_t block = c.size > 0 ? c.in_count / c.size : 0;
-  if (block <= kMaxChunk) {
-    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in;
-    return MPI_Alltoall(send, static_cast<int>(block), c.type, c.out, static_cast<int>(block),
-                        c.type, c.comm);
-  }
-  return ForEachChunk(block, [&](size_t off, int n) {
-    BlockRangeType range(c.type, n, block, c.elem_bytes);
-    if (range.rc != MPI_SUCCESS) return range.rc;
-    size_t at = off * c.elem_bytes;
-    const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + at;
-    return MPI_Alltoall(send, 1, range.type, c.out + at, 1, range.type, c.comm);
-  });
-}
-
-int Barrier(const Call& c) { return MPI_Barrier(c.comm); }
 
 // ---------------------------------------------------------------------------
 // The one error path.
@@ -652,25 +635,59 @@ void AdviseHugePages(char* data, size_t bytes) {
 #endif
 }
 
-// Each collective as a type: its name, whether it reduces, and its body.
-#define MPICOLL_COLLECTIVE(Type, text, reduces, body) \
-  struct Type {                                       \
-    static constexpr const char* kName = text;        \
-    static constexpr bool kReduces = reduces;         \
-    static int Run(const Call& c) { return body(c); } \
-  }
-MPICOLL_COLLECTIVE(BcastOp, "bcast", false, Bcast);
-MPICOLL_COLLECTIVE(ScatterOp, "scatter", false, Scatter);
-MPICOLL_COLLECTIVE(ReduceOp, "reduce", true, Reduce);
-MPICOLL_COLLECTIVE(AllreduceOp, "allreduce", true, Allreduce);
-MPICOLL_COLLECTIVE(GatherOp, "gather", false, Gather);
-MPICOLL_COLLECTIVE(AllgatherOp, "allgather", false, Allgather);
-MPICOLL_COLLECTIVE(AlltoallOp, "alltoall", false, Alltoall);
-#undef MPICOLL_COLLECTIVE
+// ---------------------------------------------------------------------------
+// Each collective as a type: one row of facts plus its chunk body.  The facts
+// drive everything generic (argument checks, check-mode descriptions, fused
+// packing, GPU staging); nothing else asks which collective it is.
+//   reduces        takes a reduction operator
+//   rooted         takes a root
+//   blocks_in/out  the input/output is `size` rank blocks (else one block)
+//   in_place       output shape = input shape; MPI_IN_PLACE when XLA aliases
+//                  them (alltoall is not: MPICH's in-place alltoall measured
+//                  5.3x the out-of-place time at 64 MiB)
+//   root_input     only root's input is read (bcast, scatter)
+//   zeros_off_root the output is zeros off root (reduce, gather)
+#define MPICOLL_OPS(X)                                                                    \
+  /* Type        name         reduces rooted blocks_in blocks_out in_place root_input   \
+     zeros_off_root body */                                                              \
+  X(BcastOp,     "bcast",     false,  true,  false,    false,     true,    true,  false, \
+    BcastChunk)                                                                          \
+  X(ScatterOp,   "scatter",   false,  true,  true,     false,     false,   true,  false, \
+    ScatterChunk)                                                                        \
+  X(ReduceOp,    "reduce",    true,   true,  false,    false,     true,    false, true,  \
+    ReduceChunk)                                                                         \
+  X(AllreduceOp, "allreduce", true,   false, false,    false,     true,    false, false, \
+    AllreduceChunk)                                                                      \
+  X(GatherOp,    "gather",    false,  true,  false,    true,      false,   false, true,  \
+    GatherChunk)                                                                         \
+  X(AllgatherOp, "allgather", false,  false, false,    true,      false,   false, false, \
+    AllgatherChunk)                                                                      \
+  X(AlltoallOp,  "alltoall",  false,  false, true,     true,      false,   false, false, \
+    AlltoallChunk)
+
+#define MPICOLL_DEFINE_OP(Type, text, reduces, rooted, blocks_in, blocks_out, in_place,   \
+                          root_input, zeros_off_root, body)                               \
+  struct Type {                                                                          \
+    static constexpr const char* kName = text;                                           \
+    static constexpr bool kReduces = reduces, kRooted = rooted, kBlocksIn = blocks_in,   \
+                          kBlocksOut = blocks_out, kInPlace = in_place,                  \
+                          kRootInput = root_input, kZerosOffRoot = zeros_off_root;       \
+    static int Run(const Call& c, const Chunk& k) { return body(c, k); }                 \
+  };
+MPICOLL_OPS(MPICOLL_DEFINE_OP)
+#undef MPICOLL_DEFINE_OP
 
 template <typename Op>
-constexpr bool kRooted = std::is_same_v<Op, BcastOp> || std::is_same_v<Op, ScatterOp> ||
-                         std::is_same_v<Op, ReduceOp> || std::is_same_v<Op, GatherOp>;
+size_t RowsIn(const Call& c) { return Op::kBlocksIn ? c.size : 1; }
+template <typename Op>
+size_t RowsOut(const Call& c) { return Op::kBlocksOut ? c.size : 1; }
+template <typename Op>
+size_t BlockElements(const Call& c) { return c.in_count / RowsIn<Op>(c); }
+// Whether this rank's input is read, and whether its output comes from MPI.
+template <typename Op>
+bool ReadsInput(const Call& c) { return !Op::kRootInput || c.rank == c.root; }
+template <typename Op>
+bool OutputIsZeros(const Call& c) { return Op::kZerosOffRoot && c.rank != c.root; }
 
 // The call's communicator, root, op and MPI types, from the attributes and dtype.
 template <typename Op>
@@ -691,26 +708,84 @@ ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Memory strategies.  One implementation of each collective serves every
+// platform and transport; a strategy says where the bytes MPI touches live
+// and moves them there:
+//   Begin<Op>(c)          before the first chunk (may point c.in/c.out at
+//                         staging buffers)
+//   ChunkElements(c, b)   elements of each block per MPI call
+//   BeforeChunk(c, k)     chunk k's input must be in c.in when it returns
+//   AfterChunk(c, k)      chunk k's output in c.out is final
+//   Finish<Op>(c, ok)     after the last chunk: zeros off root, hand-back
+// Each returns an MPI code, or kTransportFailed with `error` set.
+// HostMemory: XLA's CPU buffers (or GPU staging buffers) are MPI's buffers.
+// The GPU strategies (CUDA-aware, pinned staging) are in cuda_memory.h.
+constexpr int kTransportFailed = -1;  // MPI codes are never negative
+
+struct HostMemory {
+  std::string error;
+  bool advise_huge_pages = true;
+
+  template <typename Op>
+  int Begin(Call& c) {
+    if (!InPlace(c) && advise_huge_pages) AdviseHugePages(c.out, c.out_count * c.elem_bytes);
+    // bcast sends from its output buffer.
+    if (std::is_same_v<Op, BcastOp> && !InPlace(c) && c.rank == c.root) {
+      std::memcpy(c.out, c.in, c.out_count * c.elem_bytes);
+    }
+    return MPI_SUCCESS;
+  }
+  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
+  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+  template <typename Op>
+  int Finish(const Call& c, bool ok) {
+    // Output shapes do not depend on the rank; off root they are zeros.
+    if (ok && OutputIsZeros<Op>(c)) std::memset(c.out, 0, c.out_count * c.elem_bytes);
+    return MPI_SUCCESS;
+  }
+};
+
+// The one loop every collective runs, on any memory.
+template <typename Op, typename Memory>
+int RunCollective(Call& c, Memory& memory) {
+  int rc = memory.template Begin<Op>(c);
+  const size_t block = BlockElements<Op>(c);
+  const size_t step = std::max<size_t>(1, std::min(memory.ChunkElements(c, block), kMaxChunk));
+  for (size_t offset = 0; rc == MPI_SUCCESS && offset < block; offset += step) {
+    const Chunk k{offset, static_cast<int>(std::min(step, block - offset)), block};
+    rc = memory.BeforeChunk(c, k);
+    if (rc == MPI_SUCCESS) rc = Op::Run(c, k);
+    if (rc == MPI_SUCCESS && Op::kReduces) NormalizeLogical(c, k);
+    if (rc == MPI_SUCCESS) rc = memory.AfterChunk(c, k);
+  }
+  const int finished = memory.template Finish<Op>(c, rc == MPI_SUCCESS);
+  return rc == MPI_SUCCESS ? finished : rc;
+}
+
 // The MPI part, once c's buffers are set: watched by the timeout, checked
 // across ranks in check mode (`describe()` says what this rank calls).
-template <typename Op, typename Describe>
-ffi::Error Execute(const Call& c, int32_t device, Describe&& describe) {
+template <typename Op, typename Memory, typename Describe>
+ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
   InFlightScope watched(c, device);
   if (check_mode.load(std::memory_order_relaxed)) {
     if (ffi::Error err = CheckSameCall(c, describe()); err.failure()) return err;
   }
   // Every rank has the same shapes, so an empty array skips MPI on every rank.
   if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
-  if (!InPlace(c)) AdviseHugePages(c.out, c.out_count * c.elem_bytes);
-  if (int rc = Op::Run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  const int rc = RunCollective<Op>(c, memory);
+  if (rc == kTransportFailed) {
+    return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on rank " +
+                                std::to_string(c.rank) + ": " + memory.error);
+  }
+  if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }
 
 template <typename Op>
-ffi::Error DataEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
-                     int64_t root, int64_t op) {
-  Call c{};
+ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out,
+                        int32_t device, int64_t comm_slot, int64_t root, int64_t op) {
   if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, x.element_type());
       err.failure()) {
     return err;
@@ -719,65 +794,46 @@ ffi::Error DataEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   c.out = static_cast<char*>(out->untyped_data());
   c.in_count = x.element_count();
   c.out_count = out->element_count();
-  return Execute<Op>(c, device, [&] {
-    return Describe(c, x.element_type(), x.dimensions(), Op::kReduces, kRooted<Op>);
-  });
+  return ffi::Error::Success();
+}
+
+template <typename Op>
+std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
+  return Describe(c, x.element_type(), x.dimensions(), Op::kReduces, Op::kRooted);
+}
+
+template <typename Op>
+ffi::Error CpuEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                    ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
+                    int64_t root, int64_t op) {
+  Call c{};
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op); err.failure()) {
+    return err;
+  }
+  HostMemory memory;
+  return Execute<Op>(c, device, memory, [&] { return DescribeArray<Op>(c, x); });
 }
 
 // ---------------------------------------------------------------------------
 // Fused calls (pytrees): n arrays of one dtype in one MPI message.  XLA hands
-// over the n buffers; they are packed into one per-thread staging buffer, moved
-// by one MPI call, and unpacked into the n outputs.  Doing this here rather
-// than as XLA concatenate + n slices saves one kernel launch per array (~0.8 us
-// each on XLA:CPU).  Python keeps the fused arrays small (large ones go alone,
+// over the n buffers; they are packed into one staging buffer, moved by one
+// MPI call, and unpacked into the n outputs.  Doing this here rather than as
+// XLA concatenate + n slices saves one kernel launch per array (~0.8 us each
+// on XLA:CPU).  Python keeps the fused arrays small (large ones go alone,
 // zero-copy), which also bounds the staging buffers.
 //
-// Where the rank axis leads (scatter and alltoall inputs; gather, allgather
-// and alltoall outputs), the message is still `size` rank blocks: block r
-// holds every array's row r, array after array.
-template <typename Op>
-constexpr bool kRankRowsIn = std::is_same_v<Op, ScatterOp> || std::is_same_v<Op, AlltoallOp>;
-template <typename Op>
-constexpr bool kRankRowsOut = std::is_same_v<Op, GatherOp> || std::is_same_v<Op, AllgatherOp> ||
-                              std::is_same_v<Op, AlltoallOp>;
-// Output shape = input shape, so one staging buffer serves both (MPI_IN_PLACE).
-template <typename Op>
-constexpr bool kFusedInPlace = std::is_same_v<Op, BcastOp> || std::is_same_v<Op, ReduceOp> ||
-                               std::is_same_v<Op, AllreduceOp>;
-
-struct Staging {
-  std::vector<char*> in, out;
+// Where the rank axis leads (Op::kBlocksIn / kBlocksOut), the message is still
+// `size` rank blocks: block r holds every array's row r, array after array.
+struct FusedArrays {
+  std::vector<char*> in, out;           // XLA's buffers
   std::vector<size_t> in_row, out_row;  // elements per row of each array
-  std::vector<char> packed_in, packed_out;
+  size_t in_rows = 1, out_rows = 1;
 };
 
-// Copies `rows` rows of each array between the arrays and a packed buffer
-// whose row r is the concatenation of every array's row r.
-template <bool kToPacked>
-void CopyRows(std::vector<char*>& arrays, const std::vector<size_t>& row, size_t rows,
-              char* packed, size_t elem_bytes) {
-  size_t packed_row = 0;
-  for (size_t n : row) packed_row += n;
-  size_t at = 0;  // elements into packed row 0
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    size_t bytes = row[i] * elem_bytes;
-    for (size_t r = 0; r < rows; ++r) {
-      char* p = packed + (r * packed_row + at) * elem_bytes;
-      char* a = arrays[i] + r * bytes;
-      if (kToPacked) {
-        std::memcpy(p, a, bytes);
-      } else {
-        std::memcpy(a, p, bytes);
-      }
-    }
-    at += row[i];
-  }
-}
-
 template <typename Op>
-ffi::Error FusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
-                      ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
-                      int64_t op) {
+ffi::Error PrepareFused(Call& c, FusedArrays& arrays, ffi::RemainingArgs& xs,
+                        ffi::RemainingRets& outs, int32_t device, int64_t comm_slot,
+                        int64_t root, int64_t op) {
   const size_t n = xs.size();
   auto first = xs.get<ffi::AnyBuffer>(0);
   if (n == 0 || outs.size() != n || !first.has_value()) {
@@ -785,17 +841,15 @@ ffi::Error FusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>
                                        ": a fused call needs n >= 1 arrays and n results");
   }
   const ffi::DataType dtype = first->element_type();
-  Call c{};
   if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, dtype); err.failure()) {
     return err;
   }
-  const size_t in_rows = kRankRowsIn<Op> ? c.size : 1;
-  const size_t out_rows = kRankRowsOut<Op> ? c.size : 1;
-  thread_local Staging s;
-  s.in.resize(n);
-  s.out.resize(n);
-  s.in_row.resize(n);
-  s.out_row.resize(n);
+  arrays.in_rows = RowsIn<Op>(c);
+  arrays.out_rows = RowsOut<Op>(c);
+  arrays.in.resize(n);
+  arrays.out.resize(n);
+  arrays.in_row.resize(n);
+  arrays.out_row.resize(n);
   for (size_t i = 0; i < n; ++i) {
     auto x = xs.get<ffi::AnyBuffer>(i);
     auto out = outs.get<ffi::AnyBuffer>(i);
@@ -803,34 +857,78 @@ ffi::Error FusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>
       return ffi::Error::InvalidArgument(std::string("mpicoll.") + Op::kName +
                                          ": fused arrays must be buffers of one dtype");
     }
-    s.in[i] = static_cast<char*>(x->untyped_data());
-    s.out[i] = static_cast<char*>((*out)->untyped_data());
-    s.in_row[i] = x->element_count() / in_rows;
-    s.out_row[i] = (*out)->element_count() / out_rows;
+    arrays.in[i] = static_cast<char*>(x->untyped_data());
+    arrays.out[i] = static_cast<char*>((*out)->untyped_data());
+    arrays.in_row[i] = x->element_count() / arrays.in_rows;
+    arrays.out_row[i] = (*out)->element_count() / arrays.out_rows;
     c.in_count += x->element_count();
     c.out_count += (*out)->element_count();
   }
-  s.packed_in.resize(c.in_count * c.elem_bytes);
-  c.in = s.packed_in.data();
-  if (kFusedInPlace<Op>) {
+  return ffi::Error::Success();
+}
+
+template <typename Op>
+std::string DescribeFused(const Call& c, size_t n, ffi::DataType dtype) {
+  const size_t rows = RowsIn<Op>(c);
+  const int64_t dims[2] = {static_cast<int64_t>(rows), static_cast<int64_t>(c.in_count / rows)};
+  const bool one_row = rows == 1;
+  return "fused " + std::to_string(n) + " arrays: " +
+         Describe(c, dtype, ffi::Span<const int64_t>(dims + one_row, 2 - one_row), Op::kReduces,
+                  Op::kRooted);
+}
+
+// Copies every array's rows to (or from) the packed message, one strided copy
+// per array: copy2d(dst, dst_pitch, src, src_pitch, width, height) in bytes.
+template <typename Copy2D>
+int CopyPacked(bool to_packed, const std::vector<char*>& arrays, const std::vector<size_t>& row,
+               size_t rows, char* packed, size_t elem_bytes, Copy2D&& copy2d) {
+  size_t packed_row_bytes = 0;
+  for (size_t n : row) packed_row_bytes += n * elem_bytes;
+  size_t at = 0;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const size_t bytes = row[i] * elem_bytes;
+    const int rc = to_packed ? copy2d(packed + at, packed_row_bytes, arrays[i], bytes, bytes, rows)
+                             : copy2d(arrays[i], bytes, packed + at, packed_row_bytes, bytes, rows);
+    if (rc != MPI_SUCCESS) return rc;
+    at += bytes;
+  }
+  return MPI_SUCCESS;
+}
+
+int HostCopy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, size_t width,
+               size_t height) {
+  for (size_t r = 0; r < height; ++r) std::memcpy(dst + r * dst_pitch, src + r * src_pitch, width);
+  return MPI_SUCCESS;
+}
+
+template <typename Op>
+ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
+                         ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
+                         int64_t op) {
+  Call c{};
+  thread_local FusedArrays arrays;
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op);
+      err.failure()) {
+    return err;
+  }
+  thread_local std::vector<char> packed_in, packed_out;
+  packed_in.resize(c.in_count * c.elem_bytes);
+  c.in = packed_in.data();
+  if (Op::kInPlace) {
     c.out = c.in;
   } else {
-    s.packed_out.resize(c.out_count * c.elem_bytes);
-    c.out = s.packed_out.data();
+    packed_out.resize(c.out_count * c.elem_bytes);
+    c.out = packed_out.data();
   }
-  // Only root's input matters to bcast and scatter.
-  const bool input_used = !(std::is_same_v<Op, BcastOp> || std::is_same_v<Op, ScatterOp>) ||
-                          c.rank == c.root;
-  if (input_used) CopyRows<true>(s.in, s.in_row, in_rows, c.in, c.elem_bytes);
-  const int64_t packed_dims[2] = {static_cast<int64_t>(in_rows),
-                                  static_cast<int64_t>(c.in_count / in_rows)};
-  ffi::Error err = Execute<Op>(c, device, [&] {
-    return "fused " + std::to_string(n) + " arrays: " +
-           Describe(c, dtype, ffi::Span<const int64_t>(packed_dims + (in_rows == 1), 2 - (in_rows == 1)),
-                    Op::kReduces, kRooted<Op>);
-  });
+  if (ReadsInput<Op>(c)) {
+    CopyPacked(true, arrays.in, arrays.in_row, arrays.in_rows, c.in, c.elem_bytes, HostCopy2D);
+  }
+  HostMemory memory;
+  const ffi::DataType dtype = xs.get<ffi::AnyBuffer>(0)->element_type();
+  ffi::Error err = Execute<Op>(c, device, memory,
+                               [&] { return DescribeFused<Op>(c, xs.size(), dtype); });
   if (err.failure()) return err;
-  CopyRows<false>(s.out, s.out_row, out_rows, c.out, c.elem_bytes);
+  CopyPacked(false, arrays.out, arrays.out_row, arrays.out_rows, c.out, c.elem_bytes, HostCopy2D);
   return ffi::Error::Success();
 }
 
@@ -846,47 +944,41 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   return ffi::Error::Success();
 }
 
-// All data collectives share one FFI signature.
-#define MPICOLL_DATA_HANDLER(symbol, Op)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, DataEntry<Op>,    \
-                                ffi::Ffi::Bind()          \
-                                    .Arg<ffi::Token>()    \
-                                    .Arg<ffi::AnyBuffer>() \
-                                    .Ret<ffi::Token>()    \
-                                    .Ret<ffi::AnyBuffer>() \
-                                    .Ctx<ffi::DeviceOrdinal>() \
-                                    .Attr<int64_t>("comm") \
-                                    .Attr<int64_t>("root") \
-                                    .Attr<int64_t>("op"))
+// ---------------------------------------------------------------------------
+// Handlers: every data collective has one FFI signature per platform, so one
+// binding serves all of them; `Extra` adds the platform's context (the CUDA
+// stream).  A handler's symbol is <Platform><Kind>_<Op>.
+#define MPICOLL_DATA_BINDING(Extra)                                                    \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Ret<ffi::Token>()                                                               \
+      .Ret<ffi::AnyBuffer>() Extra                                                     \
+      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Attr<int64_t>("comm")                                                           \
+      .Attr<int64_t>("root")                                                           \
+      .Attr<int64_t>("op")
+#define MPICOLL_FUSED_BINDING(Extra)                                                   \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .RemainingArgs()                                                                 \
+      .Ret<ffi::Token>()                                                               \
+      .RemainingRets() Extra                                                           \
+      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Attr<int64_t>("comm")                                                           \
+      .Attr<int64_t>("root")                                                           \
+      .Attr<int64_t>("op")
+#define MPICOLL_NO_CONTEXT
 
-MPICOLL_DATA_HANDLER(BcastHandler, BcastOp);
-MPICOLL_DATA_HANDLER(ScatterHandler, ScatterOp);
-MPICOLL_DATA_HANDLER(ReduceHandler, ReduceOp);
-MPICOLL_DATA_HANDLER(AllreduceHandler, AllreduceOp);
-MPICOLL_DATA_HANDLER(GatherHandler, GatherOp);
-MPICOLL_DATA_HANDLER(AllgatherHandler, AllgatherOp);
-MPICOLL_DATA_HANDLER(AlltoallHandler, AlltoallOp);
+#define MPICOLL_CPU_HANDLERS(Type, ...)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuData_##Type, CpuEntry<Type>,                           \
+                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFused_##Type, CpuFusedEntry<Type>,                     \
+                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));
+MPICOLL_OPS(MPICOLL_CPU_HANDLERS)
+#undef MPICOLL_CPU_HANDLERS
 
-#define MPICOLL_FUSED_HANDLER(symbol, Op)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, FusedEntry<Op>,    \
-                                ffi::Ffi::Bind()           \
-                                    .Arg<ffi::Token>()     \
-                                    .RemainingArgs()       \
-                                    .Ret<ffi::Token>()     \
-                                    .RemainingRets()       \
-                                    .Ctx<ffi::DeviceOrdinal>() \
-                                    .Attr<int64_t>("comm") \
-                                    .Attr<int64_t>("root") \
-                                    .Attr<int64_t>("op"))
-
-MPICOLL_FUSED_HANDLER(FusedBcastHandler, BcastOp);
-MPICOLL_FUSED_HANDLER(FusedScatterHandler, ScatterOp);
-MPICOLL_FUSED_HANDLER(FusedReduceHandler, ReduceOp);
-MPICOLL_FUSED_HANDLER(FusedAllreduceHandler, AllreduceOp);
-MPICOLL_FUSED_HANDLER(FusedGatherHandler, GatherOp);
-MPICOLL_FUSED_HANDLER(FusedAllgatherHandler, AllgatherOp);
-MPICOLL_FUSED_HANDLER(FusedAlltoallHandler, AlltoallOp);
-
+// The barrier has no buffers and no stream work: one handler for every platform.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Token>()
@@ -894,29 +986,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<int64_t>("comm"));
 
+struct Registration {
+  std::string name;
+  XLA_FFI_Handler* handler;
+};
+
+#define MPICOLL_CPU_REGISTRATION(Type, text, ...) \
+  {std::string("mpicoll_") + text, CpuData_##Type}, \
+  {std::string("mpicoll_") + text + "_fused", CpuFused_##Type},
+std::vector<Registration> CpuRegistrations() {
+  return {MPICOLL_OPS(MPICOLL_CPU_REGISTRATION){"mpicoll_barrier", BarrierHandler}};
+}
+#undef MPICOLL_CPU_REGISTRATION
+
+#ifdef MPICOLL_CUDA
+#include "cuda_memory.h"
+#endif
+
 // ---------------------------------------------------------------------------
 // Python module: registrations(), initialize(), register_comm(), build_info().
 
-PyObject* Registrations(PyObject*, PyObject*) {
-  struct Entry { const char* name; XLA_FFI_Handler* handler; };
-  const Entry entries[] = {
-      {"mpicoll_bcast", BcastHandler},         {"mpicoll_scatter", ScatterHandler},
-      {"mpicoll_reduce", ReduceHandler},       {"mpicoll_allreduce", AllreduceHandler},
-      {"mpicoll_gather", GatherHandler},       {"mpicoll_allgather", AllgatherHandler},
-      {"mpicoll_alltoall", AlltoallHandler},   {"mpicoll_barrier", BarrierHandler},
-      {"mpicoll_bcast_fused", FusedBcastHandler},
-      {"mpicoll_scatter_fused", FusedScatterHandler},
-      {"mpicoll_reduce_fused", FusedReduceHandler},
-      {"mpicoll_allreduce_fused", FusedAllreduceHandler},
-      {"mpicoll_gather_fused", FusedGatherHandler},
-      {"mpicoll_allgather_fused", FusedAllgatherHandler},
-      {"mpicoll_alltoall_fused", FusedAlltoallHandler},
-  };
+PyObject* RegistrationDict(const std::vector<Registration>& registrations) {
   PyObject* dict = PyDict_New();
   if (!dict) return nullptr;
-  for (const Entry& e : entries) {
-    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(e.handler), nullptr, nullptr);
-    if (!capsule || PyDict_SetItemString(dict, e.name, capsule) < 0) {
+  for (const Registration& r : registrations) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(r.handler), nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(dict, r.name.c_str(), capsule) < 0) {
       Py_XDECREF(capsule);
       Py_DECREF(dict);
       return nullptr;
@@ -924,6 +1019,19 @@ PyObject* Registrations(PyObject*, PyObject*) {
     Py_DECREF(capsule);
   }
   return dict;
+}
+
+// FFI target name -> handler capsule, per platform ("cpu", and "cuda" when built with it).
+PyObject* Registrations(PyObject*, PyObject* args) {
+  const char* platform = "cpu";
+  if (!PyArg_ParseTuple(args, "|s", &platform)) return nullptr;
+  if (std::strcmp(platform, "cpu") == 0) return RegistrationDict(CpuRegistrations());
+#ifdef MPICOLL_CUDA
+  if (std::strcmp(platform, "cuda") == 0) return RegistrationDict(CudaRegistrations());
+#endif
+  PyErr_Format(PyExc_ValueError, "mpicoll: this build has no handlers for platform %s",
+               platform);
+  return nullptr;
 }
 
 bool initialized = false;
@@ -1014,10 +1122,16 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
   PyObject* version = Py_BuildValue("()");
 #endif
   if (!version) return nullptr;
-  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i}", "mpi_vendor", vendor, "mpi_version",
+#ifdef MPICOLL_CUDA
+  PyObject* platforms = Py_BuildValue("(ss)", "cpu", "cuda");
+#else
+  PyObject* platforms = Py_BuildValue("(s)", "cpu");
+#endif
+  if (!platforms) return nullptr;
+  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i,s:N}", "mpi_vendor", vendor, "mpi_version",
                        version, "mpi_standard_version", MPI_VERSION, "mpi_standard_subversion",
                        MPI_SUBVERSION, "max_comms", kMaxComms, "max_local_devices",
-                       kMaxLocalDevices);
+                       kMaxLocalDevices, "platforms", platforms);
 }
 
 // The reduction operators by name, so Python never duplicates the numbering.
@@ -1086,7 +1200,13 @@ PyMethodDef methods[] = {
     {"set_check_mode", SetCheckMode, METH_O, "Compare a fingerprint of each call across ranks."},
     {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
-    {"registrations", Registrations, METH_NOARGS, "FFI target name -> handler capsule."},
+    {"registrations", Registrations, METH_VARARGS,
+     "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
+#ifdef MPICOLL_CUDA
+    {"set_gpu_transport", SetGpuTransport, METH_VARARGS,
+     "Choose the GPU memory strategy: (cuda_aware, pipeline chunk bytes)."},
+    {"cuda_driver", CudaDriverInfo, METH_NOARGS, "The CUDA driver: error, version, devices."},
+#endif
     {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
