@@ -19,7 +19,10 @@ the same call pattern (benchmarks/bench.py's inputs, checks and Timer):
                    (MPICOLL_GPU_CHUNK_BYTES=0), at the largest size
   mpi4jax-loop, mpi4jax-python   the same patterns with mpi4jax
 
-Time per call: median over runs of (slowest rank's time for k calls) / k.
+Time per call: median over runs of (slowest rank's time for k calls) / k, with k
+chosen for about --target-ms a run at every size (bench.py runs one call per run
+above 16 MiB; here a jitted loop then still amortizes its dispatch, which JAX
+does on its Python path for a program with effects, ~0.5-0.8 ms on a GPU).
 Writes gpu_bench-<ranks>.json to --out and prints a table per collective (rank 0).
 """
 
@@ -106,30 +109,36 @@ def setup_staging_floor(ctx, op, count):
     return once, run, None
 
 
-def setup_unpipelined(ctx, op, count):
-    once, run, _ = bench.setup_jit(ctx, "mpicoll", op, count)
-    from mpicoll import _native
+def setup_with_chunk(chunk_bytes):
+    """mpicoll-loop with the staging pipeline's chunk set to chunk_bytes (0: no pipeline)."""
+    def setup(ctx, op, count):
+        once, run, _ = bench.setup_jit(ctx, "mpicoll", op, count)
+        from mpicoll import _native
 
-    def without_pipeline(fn):
-        def wrapped(*args):
-            _native.extension.set_gpu_transport(_native.GPU_TRANSPORT == "cuda-aware", 0)
-            try:
-                return fn(*args)
-            finally:
-                _native.extension.set_gpu_transport(_native.GPU_TRANSPORT == "cuda-aware",
-                                                    _native.GPU_CHUNK_BYTES)
-        return wrapped
+        def with_chunk(fn):
+            def wrapped(*args):
+                _native.extension.set_gpu_transport(False, chunk_bytes)
+                try:
+                    return fn(*args)
+                finally:
+                    _native.extension.set_gpu_transport(_native.GPU_TRANSPORT == "cuda-aware",
+                                                        _native.GPU_CHUNK_BYTES)
+            return wrapped
 
-    return without_pipeline(once), without_pipeline(run), None
+        return with_chunk(once), with_chunk(run), None
+    return setup
 
 
-def implementations(ctx, nbytes, largest):
+def implementations(ctx, op, nbytes, largest):
     impls = {"staging-floor": setup_staging_floor,
              "mpicoll-loop": lambda c, o, n: bench.setup_jit(c, "mpicoll", o, n),
              "mpicoll-python": lambda c, o, n: setup_python_loop(c, "mpicoll", o, n),
              "mpicoll-eager": lambda c, o, n: bench.setup_eager(c, "mpicoll", o, n)}
     if nbytes == largest:
-        impls["mpicoll-loop-unpipelined"] = setup_unpipelined
+        impls["mpicoll-loop-unpipelined"] = setup_with_chunk(0)
+        if op == "allreduce":  # the chunk size's effect
+            for chunk in (1 * MIB, 16 * MIB):
+                impls[f"mpicoll-loop-chunk-{chunk // MIB}MiB"] = setup_with_chunk(chunk)
     if "mpi4jax" in ctx.jax_ops:
         impls["mpi4jax-loop"] = lambda c, o, n: bench.setup_jit(c, "mpi4jax", o, n)
         impls["mpi4jax-python"] = lambda c, o, n: setup_python_loop(c, "mpi4jax", o, n)
@@ -144,6 +153,7 @@ def main():
     import mpicoll
     from mpicoll import _native
 
+    bench.ONE_CALL_BYTES = 1 << 40  # see the module docstring
     comm = MPI.COMM_WORLD
     ctx = bench.Context()
     ctx.rank, ctx.size = comm.Get_rank(), comm.Get_size()
@@ -165,7 +175,7 @@ def main():
         sizes = [bench.parse_size(s) for s in sizes]
         for nbytes in sizes:
             count = bench.block_count(op, nbytes, ctx.size)
-            for impl, setup in implementations(ctx, nbytes, max(sizes)).items():
+            for impl, setup in implementations(ctx, op, nbytes, max(sizes)).items():
                 row = {"op": op, "bytes": nbytes, "impl": impl}
                 try:
                     once, run, _ = setup(ctx, op, count)
@@ -174,7 +184,7 @@ def main():
                           or np.array_equal(out, bench.expected(op, ctx.rank, ctx.size, count)))
                     row["correct"] = all(comm.allgather(ok))
                     repeats = 9 if nbytes <= 16 * MIB else 5
-                    k, times = timer.times(run, repeats, amortize=impl.endswith("loop"),
+                    k, times = timer.times(run, repeats, amortize="-loop" in impl,
                                            nbytes=nbytes)
                     row.update(k=k, us_per_call=float(np.median(times)) / k * 1e6)
                 except Exception as error:  # recorded, every rank reaches the next row

@@ -209,7 +209,9 @@ def test_program_compiled_for_a_freed_comm_does_not_run_on_another():
     try:
         mpicoll.allreduce(x, comm=b)
         try:
-            after = program(x)  # cached: no retrace, so no Python-side check
+            # Cached: no retrace, so no Python-side check.  On a GPU the handler's
+            # error surfaces when the result is ready, so wait for it here.
+            after = program(x).block_until_ready()
             raised = None
         except Exception as error:  # noqa: BLE001 - any error is acceptable, silence is not
             after, raised = None, error

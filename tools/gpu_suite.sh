@@ -23,6 +23,7 @@ OUT=${OUT:-/tmp/mpicoll-gpu}
 mkdir -p "$OUT"
 TESTS=${GPU_TESTS:-tests/test_gpu.py tests/test_collectives.py tests/test_fusion.py tests/test_transforms.py tests/test_ordering.py tests/test_errors.py tests/test_comms.py tests/test_lowering.py}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # ranks sharing a GPU
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for scripts outside the root
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PIP_NO_INDEX=1
 failed=""
 
