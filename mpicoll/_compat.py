@@ -36,6 +36,16 @@ def register_ordered_effect(effect_type):
         effect_set.add_type(effect_type)
 
 
+def reset_effect_tokens():
+    """Forget the runtime tokens of ordered effects (the last one may carry an error).
+
+    On a GPU a failed program's error surfaces when its outputs are read, and the
+    ordering token it produced carries the same error into every later program
+    with the effect; a fresh token ends that.
+    """
+    _dispatch.runtime_tokens.clear()
+
+
 def aval_with_shape(aval, shape):
     """aval with a new shape, keeping dtype, weak type and how it varies over manual axes.
 

@@ -33,6 +33,18 @@ def set_check_mode(enabled=True):
     extension.set_check_mode(bool(enabled))
 
 
+def clear_error():
+    """After catching an error a collective raised, let the next collectives run.
+
+    A collective that failed (check mode, a freed communicator, an MPI error)
+    raises on every rank; on a GPU it raises when its result is read, and JAX's
+    ordering token then carries that error into every later collective.  Call
+    this once the error is handled, on every rank, to start from a fresh token.
+    """
+    from . import _compat
+    _compat.reset_effect_tokens()
+
+
 def set_timeout(seconds):
     """Abort the job when a collective waits more than `seconds` (None or 0: never)."""
     seconds = float(seconds or 0)
