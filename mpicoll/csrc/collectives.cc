@@ -14,6 +14,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
+#if defined(OMPI_MAJOR_VERSION) && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -895,7 +898,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                                   .Attr<int64_t>("comm"));
 
 // ---------------------------------------------------------------------------
-// Python module: registrations(), initialize(), register_comm(), build_info().
+// Python module: registrations(), initialize(), register_comm(), build_info(),
+// cuda_aware_mpi().
 
 PyObject* Registrations(PyObject*, PyObject*) {
   struct Entry { const char* name; XLA_FFI_Handler* handler; };
@@ -1020,6 +1024,24 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
                        kMaxLocalDevices);
 }
 
+// Whether this MPI takes CUDA device pointers in its calls: True or False where
+// the MPI can say (Open MPI's MPIX_Query_cuda_support, MPICH's
+// MPIX_GPU_query_support; both answer at run time, e.g. for a library built with
+// CUDA but run with GPU support switched off), None where it cannot.
+PyObject* CudaAwareMpi(PyObject*, PyObject*) {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return PyBool_FromLong(MPIX_Query_cuda_support());
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  Py_RETURN_FALSE;  // Open MPI built without CUDA
+#elif defined(MPIX_GPU_SUPPORT_CUDA)
+  int supported = 0;
+  if (MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) != MPI_SUCCESS) Py_RETURN_NONE;
+  return PyBool_FromLong(supported);
+#else
+  Py_RETURN_NONE;
+#endif
+}
+
 // The reduction operators by name, so Python never duplicates the numbering.
 PyObject* OpCodes(PyObject*, PyObject*) {
   return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "sum", kSum, "prod", kProd,
@@ -1091,6 +1113,8 @@ PyMethodDef methods[] = {
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
+     "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
     {"begin_setup", BeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
