@@ -99,11 +99,10 @@ def _loaded_libmpi():
 def _mpi_build_lines(reports):
     """The summary lines about MPI builds (every rank's view; differences are problems)."""
     first = reports[0]
-    cuda = {None: "unknown (this MPI cannot tell)", True: "yes", False: "no"}
+    cuda = {None: "unknown (this MPI has no query for it)", True: "yes", False: "no"}
     lines = [f"built with:    {first['mpicoll_mpi']} (mpicoll's extension)",
              f"mpi4py loads:  {first['mpi4py_mpi']} ({first['mpi4py_libmpi']})",
-             f"CUDA-aware:    {cuda[first['cuda_aware']]} (MPIX_Query_cuda_support / "
-             "MPIX_GPU_query_support)"]
+             f"CUDA-aware:    {cuda[first['cuda_aware']]}"]
     problems = []
     for key, what in (("mpicoll_mpi", "mpicoll built with"), ("mpi4py_mpi", "mpi4py loads"),
                       ("cuda_aware", "CUDA-aware")):

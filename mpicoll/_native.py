@@ -15,7 +15,7 @@ _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
 _LIBMPI_FAMILIES = {
     "libmpi.so.40": "Open MPI 3.x-5.x",
     "libmpi.so.12": "MPICH 3.1+ (or Intel MPI, MVAPICH, Cray MPICH)",
-    "libmpich.so.12": "MPICH 3.x",
+    "libmpich.so.12": "MPICH as Debian and Ubuntu package it",
     "libmpi.so.20": "Open MPI 2.x",
 }
 

@@ -1008,6 +1008,11 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
   const char* vendor = "Open MPI";
   PyObject* version = Py_BuildValue("(iii)", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
                                     OMPI_RELEASE_VERSION);
+#elif defined(I_MPI_NUMVERSION)  // before MPICH: Intel MPI defines MPICH_NUMVERSION too
+  const char* vendor = "Intel MPI";
+  PyObject* version = Py_BuildValue("(iii)", static_cast<int>(I_MPI_NUMVERSION / 10000000),
+                                    static_cast<int>((I_MPI_NUMVERSION / 100000) % 100),
+                                    static_cast<int>((I_MPI_NUMVERSION / 1000) % 100));
 #elif defined(MPICH_NUMVERSION)
   const char* vendor = "MPICH";
   PyObject* version = Py_BuildValue("(iii)", MPICH_NUMVERSION / 10000000,
