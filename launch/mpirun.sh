@@ -47,7 +47,9 @@ fi
 if [ -z "$mpiexec" ] && [ -s "$venv/.mpicc-choice" ]; then
     mpicc=$(command -v "$(awk '{print $1; exit}' "$venv/.mpicc-choice")" || true)
     # mpicc.openmpi -> mpiexec.openmpi (Debian): plain mpiexec is update-alternatives' pick.
-    for name in "$(basename "${mpicc:-mpicc}" | sed 's/mpicc/mpiexec/')" mpiexec; do
+    suffixed=mpiexec
+    case $(basename "${mpicc:-mpicc}") in *mpicc*) suffixed=$(basename "$mpicc" | sed 's/mpicc/mpiexec/') ;; esac
+    for name in "$suffixed" mpiexec; do
         if [ -n "$mpicc" ] && [ -x "$(dirname "$mpicc")/$name" ]; then
             mpiexec=$(dirname "$mpicc")/$name; break
         fi
