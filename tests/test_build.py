@@ -172,6 +172,15 @@ def _this_mpicc():
     return os.environ.get("MPICC") or shutil.which("mpicc")
 
 
+def _this_libmpi():
+    """The libmpi this process loaded (mpi4py's), from /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line})
+    libmpi = [p for p in paths if os.path.basename(p).startswith(("libmpi.so", "libmpich.so"))]
+    assert libmpi, paths
+    return libmpi[0]
+
+
 @serial_only
 @pytest.mark.slow
 @pytest.mark.pip_install
@@ -212,7 +221,11 @@ def test_pip_install_into_a_fresh_venv_builds_against_this_mpi_and_runs(tmp_path
             "rank = MPI.COMM_WORLD.Get_rank()\n"
             "out = mpicoll.allreduce(np.arange(3.0) + rank)\n"
             "print('rank', rank, mpicoll.__file__, np.asarray(out).tolist(), flush=True)\n")
-    job = run_mpiexec(2, [python, "-c", code], cwd=tmp_path, timeout=300)
+    # A binary mpi4py wheel looks for libmpi in its own environment and then the
+    # system's; the MPI this venv uses may be a wheel in this venv, so name it.
+    # (An mpi4py compiled from source is linked to its libmpi and ignores this.)
+    job = run_mpiexec(2, [python, "-c", code], cwd=tmp_path, timeout=300,
+                      env={"MPI4PY_LIBMPI": _this_libmpi()})
     assert job.returncode == 0, job.summary()
     for rank in (0, 1):
         assert f"rank {rank} {venv_site}/mpicoll/__init__.py [1.0, 3.0, 5.0]" in job.stdout, \
