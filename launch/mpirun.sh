@@ -46,7 +46,14 @@ if [ -z "$mpiexec" ] && [ -x "$venv/bin/mpiexec" ]; then
 fi
 if [ -z "$mpiexec" ] && [ -s "$venv/.mpicc-choice" ]; then
     mpicc=$(command -v "$(awk '{print $1; exit}' "$venv/.mpicc-choice")" || true)
-    [ -n "$mpicc" ] && [ -x "$(dirname "$mpicc")/mpiexec" ] && mpiexec=$(dirname "$mpicc")/mpiexec
+    # mpicc.openmpi -> mpiexec.openmpi (Debian): plain mpiexec is update-alternatives' pick.
+    suffixed=mpiexec
+    case $(basename "${mpicc:-mpicc}") in *mpicc*) suffixed=$(basename "$mpicc" | sed 's/mpicc/mpiexec/') ;; esac
+    for name in "$suffixed" mpiexec; do
+        if [ -n "$mpicc" ] && [ -x "$(dirname "$mpicc")/$name" ]; then
+            mpiexec=$(dirname "$mpicc")/$name; break
+        fi
+    done
 fi
 [ -n "$mpiexec" ] || mpiexec=$(command -v mpiexec || true)
 [ -n "$mpiexec" ] || die "no mpiexec in $venv/bin or on PATH (set MPICOLL_MPIEXEC)"

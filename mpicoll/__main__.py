@@ -2,7 +2,8 @@
 
     mpiexec -n 2 python -m mpicoll info     what every rank sees, printed by rank 0
 
-`info` answers "is this job wired up right?": which MPI library and thread level,
+`info` answers "is this job wired up right?": which MPI library and thread level
+(the one mpicoll was compiled against, the one mpi4py loaded, CUDA-awareness),
 how many ranks on which hosts (from MPI itself, cross-checked against the
 launcher's variables), what JAX each rank runs on, and whether one mpicoll
 collective gives the right answer.  It exits non-zero if something is wrong, so
@@ -60,7 +61,57 @@ def _rank_report():
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.local_devices()],
+        **_mpi_build_report(),
     }
+
+
+# --- The MPI mpicoll was built with ------------------------------------------------
+
+def _mpi_build_report():
+    """This rank's view of the MPI builds: mpicoll's extension, mpi4py's library."""
+    from mpi4py import MPI
+
+    from ._native import extension
+
+    built = extension.build_info()
+    vendor, version = MPI.get_vendor()
+    return {
+        "mpicoll_mpi": f"{built['mpi_vendor']} {'.'.join(map(str, built['mpi_version']))}",
+        "mpi4py_mpi": f"{vendor} {'.'.join(map(str, version))}",
+        "mpi4py_libmpi": _loaded_libmpi(),
+        "cuda_aware": extension.cuda_aware_mpi(),
+    }
+
+
+def _loaded_libmpi():
+    """The path of the libmpi this process has mapped (Linux), or 'path unknown'."""
+    import os
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:
+        paths = set()
+    libmpi = sorted(p for p in paths if os.path.basename(p).startswith(("libmpi.so", "libmpich.so")))
+    return ", ".join(libmpi) or "path unknown"
+
+
+def _mpi_build_lines(reports):
+    """The summary lines about MPI builds (every rank's view; differences are problems)."""
+    first = reports[0]
+    cuda = {None: "unknown (this MPI has no query for it)", True: "yes", False: "no"}
+    lines = [f"built with:    {first['mpicoll_mpi']} (mpicoll's extension)",
+             f"mpi4py loads:  {first['mpi4py_mpi']} ({first['mpi4py_libmpi']})",
+             f"CUDA-aware:    {cuda[first['cuda_aware']]}"]
+    problems = []
+    for key, what in (("mpicoll_mpi", "mpicoll built with"), ("mpi4py_mpi", "mpi4py loads"),
+                      ("cuda_aware", "CUDA-aware")):
+        if len({repr(r[key]) for r in reports}) > 1:
+            problems.append(f"{what} differs between ranks: "
+                            + ", ".join(f"rank {r['topology'].rank}: {r[key]}" for r in reports))
+    return lines, problems
+
+# ----------------------------------------------------------------------------------
 
 
 def _ranges(ranks):
@@ -106,6 +157,8 @@ def _format(reports):
         f"               {vendor} {'.'.join(map(str, version))}, MPI standard "
         f"{'.'.join(map(str, MPI.Get_version()))}, mpi4py {mpi4py.__version__}",
     ]
+    build_lines, build_problems = _mpi_build_lines(reports)
+    lines += build_lines
     from ._native import extension
     replaced = extension.replaced_sums()
     if replaced:
@@ -126,6 +179,7 @@ def _format(reports):
     problems += [f"rank {r['topology'].rank}: mpicoll collective failed: {r['collective']}"
                  for r in reports if r["collective"]]
     problems += _duplicate_local_ranks(reports)
+    problems += build_problems
     verdict = "see PROBLEMS below" if problems else "all agree with MPI"
     if compared:
         lines.append(f"launcher vars: {', '.join(compared)}: {verdict}")

@@ -2,17 +2,55 @@
 
 import atexit
 import os
+import re
 
 import jax
 from mpi4py import MPI  # initializes MPI (THREAD_MULTIPLE unless the user chose otherwise)
 
+# What a user runs to (re)build the extension against the MPI they run with.
+_REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
+            "`MPICC=/path/to/mpicc pip install --no-cache-dir --force-reinstall .` "
+            "(`-e .` for a checkout)")
+
+# The shared-library names of the common MPIs' libmpi, for messages.
+_LIBMPI_FAMILIES = {
+    "libmpi.so.40": "Open MPI 3.x-5.x",
+    "libmpi.so.12": "MPICH 3.1+ (or Intel MPI, MVAPICH, Cray MPICH)",
+    "libmpich.so.12": "MPICH as Debian and Ubuntu package it",
+    "libmpi.so.20": "Open MPI 2.x",
+}
+
+
+def load_error_message(error_text):
+    """Why the extension failed to load, and the fix, from the ImportError's text."""
+    undefined = re.search(r"undefined symbol: (\S+)", error_text)
+    if undefined and re.match(r"_ZN3MPI|P?MPIX?_|ompi_|MPIR_|MPID_|opal_", undefined[1]):
+        symbol = undefined[1]
+        cause = ("its build pulled in MPI's C++ bindings (mpicxx.h), which the C wrapper "
+                 "does not link" if symbol.startswith("_ZN3MPI") else
+                 "the MPI library loaded now is not the one it was compiled against")
+        return (f"mpicoll's compiled extension was built against a different MPI or with MPI "
+                f"C++ bindings: undefined symbol {symbol} ({cause}). Rebuild it against the "
+                f"MPI you run with: {_REBUILD}. setup.py compiles with -DOMPI_SKIP_MPICXX "
+                f"-DMPICH_SKIP_MPICXX so that the C++ bindings stay out. ({error_text})")
+    missing = re.search(r"(\S*mpi\S*\.so[.\d]*): cannot open shared object file", error_text)
+    if missing:
+        library = missing[1]
+        family = _LIBMPI_FAMILIES.get(library.rsplit("/", 1)[-1])
+        return (f"mpicoll's compiled extension needs {library}"
+                + (f" ({family})" if family else "")
+                + ", the MPI library it was built against, and the dynamic loader cannot find "
+                "it. Make that MPI available where you run (`module load` it, or add its lib "
+                "directory to LD_LIBRARY_PATH), or rebuild mpicoll against the MPI you have: "
+                f"{_REBUILD}. ({error_text})")
+    return ("mpicoll's compiled extension is missing or cannot load "
+            f"({error_text}). Build it with {_REBUILD}.")
+
+
 try:
     from . import _mpicoll_ffi as extension
 except ImportError as error:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "mpicoll's compiled extension is missing or cannot load "
-        f"({error}). Build it with `make install`, or "
-        "`MPICC=/path/to/mpicc pip install --no-build-isolation -e .`") from error
+    raise ImportError(load_error_message(str(error))) from error
 
 
 def _check_same_mpi():
@@ -25,9 +63,7 @@ def _check_same_mpi():
         raise ImportError(
             f"mpicoll was built against {built_as}, but mpi4py is using "
             f"{vendor} {'.'.join(map(str, version))} ({runtime}). Rebuild mpicoll with the "
-            "MPI compiler wrapper of the MPI that mpi4py loads: `make install MPI=...`, or "
-            "`MPICC=/path/to/that/mpicc pip install --no-build-isolation --force-reinstall "
-            "-e .`")
+            f"MPI compiler wrapper of the MPI that mpi4py loads: {_REBUILD}")
 
 
 _check_same_mpi()
@@ -58,8 +94,7 @@ DEFAULT_GPU_CHUNK_BYTES = 4 << 20
 
 def cuda_aware_mpi():
     """True/False as MPIX_Query_cuda_support() says, None where the MPI cannot tell."""
-    query = getattr(extension, "cuda_aware_mpi", None)
-    return query() if query else None
+    return extension.cuda_aware_mpi()
 
 
 def _choose_gpu_transport():

@@ -18,6 +18,7 @@ serial suite (`serial_only`).
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,7 +237,23 @@ def maybe_jit(fn, mode):
 # MPI jobs launched from a test (serial suite only).
 
 REPO = Path(__file__).resolve().parent.parent
-MPIEXEC = Path(sys.executable).parent / "mpiexec"  # the venv's: same MPI as mpi4py's
+
+
+def _find_mpiexec():
+    """The launcher of the MPI mpi4py uses, or None.
+
+    $MPICOLL_MPIEXEC (`make test` sets it: a system MPI's launcher is not in the
+    venv), else the venv's own (a PyPI MPI wheel's).
+    """
+    named = os.environ.get("MPICOLL_MPIEXEC")
+    if named:
+        found = shutil.which(named)
+        return Path(found) if found else None
+    own = Path(sys.executable).parent / "mpiexec"
+    return own if own.exists() else None
+
+
+MPIEXEC = _find_mpiexec()
 OPEN_MPI = "Open MPI" in MPI.Get_library_version()
 
 serial_only = pytest.mark.skipif(
@@ -329,8 +346,9 @@ def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO):
     """
     if SIZE > 1:  # the same on every rank
         pytest.skip("launches MPI jobs of its own: only in the serial (1-rank) suite")
-    if not MPIEXEC.exists():
-        pytest.skip(f"no mpiexec next to {sys.executable}")
+    if MPIEXEC is None:
+        pytest.skip(f"no mpiexec next to {sys.executable} and MPICOLL_MPIEXEC "
+                    f"({os.environ.get('MPICOLL_MPIEXEC')!r}) names none")
     job_env = {key: value for key, value in os.environ.items()
                if not key.startswith(_LAUNCHER_PREFIXES)}
     flags = [flag for flag in job_env.get("XLA_FLAGS", "").split()

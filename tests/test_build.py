@@ -11,6 +11,7 @@ and the test is skipped when there is none.
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -68,7 +69,164 @@ def test_import_fails_clearly_when_mpi4py_loads_another_mpi():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
+    if f"mpi4py loaded {BUILT['mpi_vendor']}" in proc.stdout:
+        # mpi4py compiled from source (against a system MPI) links its libmpi and
+        # ignores MPI4PY_LIBMPI; only the binary wheels choose a libmpi at run time.
+        pytest.skip("this mpi4py is linked to its own libmpi and ignores MPI4PY_LIBMPI")
     assert f"mpi4py loaded {other}" in proc.stdout, output
     assert proc.returncode != 0, output
     assert "ImportError: mpicoll was built against " + BUILT["mpi_vendor"] in proc.stderr, output
     assert f"but mpi4py is using {other}" in proc.stderr, output
+
+
+# ---------------------------------------------------------------------------
+# A load failure names its cause (mpicoll._native.load_error_message).
+
+@pytest.mark.parametrize("text, says", [
+    ("/x/_mpicoll_ffi.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3MPI8Datatype4FreeEv",
+     ["built against a different MPI or with MPI C++ bindings", "_ZN3MPI8Datatype4FreeEv",
+      "C++ bindings (mpicxx.h)", "-DOMPI_SKIP_MPICXX -DMPICH_SKIP_MPICXX", "MPICC="]),
+    ("/x/_mpicoll_ffi.so: undefined symbol: MPI_Type_create_resized",
+     ["built against a different MPI", "MPI_Type_create_resized",
+      "not the one it was compiled against", "MPICC="]),
+    ("/x/_mpicoll_ffi.so: undefined symbol: ompi_mpi_comm_world",
+     ["built against a different MPI", "ompi_mpi_comm_world"]),
+    ("libmpi.so.40: cannot open shared object file: No such file or directory",
+     ["needs libmpi.so.40 (Open MPI", "cannot find", "module load", "LD_LIBRARY_PATH", "MPICC="]),
+    ("libmpi.so.12: cannot open shared object file: No such file or directory",
+     ["needs libmpi.so.12 (MPICH", "module load"]),
+    ("cannot import name '_mpicoll_ffi' from 'mpicoll' (/x/mpicoll/__init__.py)",
+     ["missing or cannot load", "make install", "pip install"]),
+    ("/x/_mpicoll_ffi.so: undefined symbol: _ZNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEC1Ev",
+     ["missing or cannot load", "_ZNSt7__cxx11"]),  # not MPI's: no MPI diagnosis
+])
+def test_load_error_message_names_the_cause(text, says):
+    from mpicoll._native import load_error_message
+
+    message = load_error_message(text)
+    for part in says:
+        assert part in message, (part, message)
+    assert text in message  # the loader's own words are kept
+
+
+# A stand-in extension that fails to load the way a real one does: linked against a
+# libmpi that is gone, or referring to a symbol of MPI's C++ bindings.  The gone
+# library's soname is one no MPI uses (the dynamic loader would take an MPI's
+# libmpi already loaded, or installed, under its real name).
+GONE_LIBMPI = "libmpi.so.97"
+FAKE_EXTENSION = "extern void %s(void); void PyInit__mpicoll_ffi(void) { %s(); }\n"
+
+
+def _import_with_fake_extension(tmp_path, symbol, link_gone_libmpi):
+    """`import mpicoll` from a copy of the package whose extension is a broken stand-in."""
+    package = tmp_path / "mpicoll"
+    shutil.copytree(REPO / "mpicoll", package,
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__", "csrc"))
+    gcc, libs = ["gcc", "-shared", "-fPIC"], []
+    if link_gone_libmpi:
+        libdir = tmp_path / "gone"
+        libdir.mkdir()
+        (tmp_path / "empty.c").write_text("void mpicoll_test_nothing(void) {}\n")
+        subprocess.run([*gcc, str(tmp_path / "empty.c"), f"-Wl,-soname,{GONE_LIBMPI}",
+                        "-o", str(libdir / GONE_LIBMPI)], check=True, timeout=60)
+        (libdir / "libmpi.so").symlink_to(GONE_LIBMPI)
+        libs = [f"-L{libdir}", "-Wl,--no-as-needed", "-lmpi"]
+    (tmp_path / "fake.c").write_text(FAKE_EXTENSION % (symbol, symbol))
+    subprocess.run([*gcc, str(tmp_path / "fake.c"), *libs, "-o", str(package / "_mpicoll_ffi.so")],
+                   check=True, timeout=60)
+    if link_gone_libmpi:
+        shutil.rmtree(tmp_path / "gone")
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    return subprocess.run([sys.executable, "-c", "import mpicoll"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@serial_only
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc to build a stand-in extension")
+def test_import_names_mpi_cxx_bindings_for_an_undefined_mpi_cxx_symbol(tmp_path):
+    proc = _import_with_fake_extension(tmp_path, "_ZN3MPI8Datatype4FreeEv", False)
+    assert proc.returncode != 0
+    assert ("ImportError: mpicoll's compiled extension was built against a different MPI or "
+            "with MPI C++ bindings: undefined symbol _ZN3MPI8Datatype4FreeEv") in proc.stderr, \
+        proc.stderr
+
+
+@serial_only
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc to build a stand-in extension")
+def test_import_names_the_missing_libmpi(tmp_path):
+    proc = _import_with_fake_extension(tmp_path, "mpicoll_test_nothing", True)
+    assert proc.returncode != 0
+    assert (f"ImportError: mpicoll's compiled extension needs {GONE_LIBMPI}, the MPI library "
+            "it was built against, and the dynamic loader cannot find it") in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# `pip install` for a cluster user: a fresh venv, this MPI's compiler wrapper.
+
+def _this_mpicc():
+    """The MPI compiler wrapper this venv was built with (the Makefile records it)."""
+    recorded = pathlib.Path(sys.prefix) / ".mpicc-choice"
+    if recorded.is_file() and recorded.read_text().strip():
+        return recorded.read_text().strip()
+    return os.environ.get("MPICC") or shutil.which("mpicc")
+
+
+def _this_libmpi():
+    """The libmpi this process loaded (mpi4py's), from /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line})
+    libmpi = [p for p in paths if os.path.basename(p).startswith(("libmpi.so", "libmpich.so"))]
+    assert libmpi, paths
+    return libmpi[0]
+
+
+@serial_only
+@pytest.mark.slow
+@pytest.mark.pip_install
+def test_pip_install_into_a_fresh_venv_builds_against_this_mpi_and_runs(tmp_path):
+    """`pip install <source>` with build isolation, then an allreduce on 2 ranks.
+
+    The fresh venv sees this venv's packages (jax, mpi4py built for this MPI)
+    through a .pth line, so pip installs no runtime dependency; its isolated
+    build environment gets setuptools and jaxlib (pip's cache, else PyPI).
+    """
+    import site
+
+    from conftest import run_mpiexec
+
+    mpicc = _this_mpicc()
+    if not mpicc:
+        pytest.skip("no MPI compiler wrapper known (no .mpicc-choice, $MPICC or mpicc)")
+    source = tmp_path / "source"  # a clean copy: no in-place extension, no build/
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "build", "*.egg-info", "*.so", "__pycache__", "benchmarks",
+        "docs", "tests", "examples", "launch"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    pathlib.Path(venv_site, "parent-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_",
+                                  "PYTHON", "VIRTUAL_ENV", "PIP_"))}
+    env.update(MPICC=mpicc, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    install = subprocess.run([str(python), "-m", "pip", "install", "--no-cache-dir", str(source)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+
+    code = ("import numpy as np, mpicoll\n"
+            "from mpi4py import MPI\n"
+            "rank = MPI.COMM_WORLD.Get_rank()\n"
+            "out = mpicoll.allreduce(np.arange(3.0) + rank)\n"
+            "print('rank', rank, mpicoll.__file__, np.asarray(out).tolist(), flush=True)\n")
+    # A binary mpi4py wheel looks for libmpi in its own environment and then the
+    # system's; the MPI this venv uses may be a wheel in this venv, so name it.
+    # (An mpi4py compiled from source is linked to its libmpi and ignores this.)
+    job = run_mpiexec(2, [python, "-c", code], cwd=tmp_path, timeout=300,
+                      env={"MPI4PY_LIBMPI": _this_libmpi()})
+    assert job.returncode == 0, job.summary()
+    for rank in (0, 1):
+        assert f"rank {rank} {venv_site}/mpicoll/__init__.py [1.0, 3.0, 5.0]" in job.stdout, \
+            job.summary()

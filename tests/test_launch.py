@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpicoll import topology
 from mpicoll.__main__ import main
-from conftest import serial_only
+from conftest import MPIEXEC, serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = ROOT / "launch" / "mpirun.sh"
@@ -152,6 +152,26 @@ def test_info_serial():
     assert "MPI_THREAD_MULTIPLE" in result.stdout
     assert "ranks:         1 on 1 node(s)" in result.stdout
     assert "jax " in result.stdout and "cpu" in result.stdout
+    # The MPI builds: mpicoll's extension, mpi4py's library, CUDA-awareness.
+    from mpicoll._native import extension
+    built = extension.build_info()
+    vendor, version = MPI.get_vendor()
+    assert (f"built with:    {built['mpi_vendor']} "
+            f"{'.'.join(map(str, built['mpi_version']))} (mpicoll's extension)") in result.stdout
+    assert f"mpi4py loads:  {vendor} {'.'.join(map(str, version))} (" in result.stdout
+    cuda = {True: "yes", False: "no", None: "unknown"}[extension.cuda_aware_mpi()]
+    assert f"CUDA-aware:    {cuda}" in result.stdout
+
+
+def test_cuda_aware_mpi_is_known_for_mpich_4_and_open_mpi():
+    """MPICH >= 4 (MPIX_GPU_query_support) and Open MPI (mpi-ext.h) can say; a bool, then."""
+    from mpicoll._native import extension
+    answer = extension.cuda_aware_mpi()
+    vendor, version = MPI.get_vendor()
+    if vendor == "Open MPI" or (vendor == "MPICH" and version >= (4, 0)):
+        assert isinstance(answer, bool), answer
+    else:
+        assert answer in (True, False, None), answer
 
 
 # ---------------------------------------------------------------------------
@@ -161,9 +181,8 @@ def _launch_env(**extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "MPIR_CVAR_", "SLURM_", "MPICOLL_", "PMI"))}
     env["MPICOLL_VENV"] = sys.prefix
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if mpiexec.exists():
-        env["MPICOLL_MPIEXEC"] = str(mpiexec)
+    if MPIEXEC is not None:
+        env["MPICOLL_MPIEXEC"] = str(MPIEXEC)
     env.update(extra)
     return env
 

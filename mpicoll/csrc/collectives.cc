@@ -18,6 +18,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
+#if defined(OMPI_MAJOR_VERSION) && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -1004,7 +1007,8 @@ std::vector<Registration> CpuRegistrations() {
 #endif
 
 // ---------------------------------------------------------------------------
-// Python module: registrations(), initialize(), register_comm(), build_info().
+// Python module: registrations(), initialize(), register_comm(), build_info(),
+// cuda_aware_mpi().
 
 PyObject* RegistrationDict(const std::vector<Registration>& registrations) {
   PyObject* dict = PyDict_New();
@@ -1112,6 +1116,11 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
   const char* vendor = "Open MPI";
   PyObject* version = Py_BuildValue("(iii)", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
                                     OMPI_RELEASE_VERSION);
+#elif defined(I_MPI_NUMVERSION)  // before MPICH: Intel MPI defines MPICH_NUMVERSION too
+  const char* vendor = "Intel MPI";
+  PyObject* version = Py_BuildValue("(iii)", static_cast<int>(I_MPI_NUMVERSION / 10000000),
+                                    static_cast<int>((I_MPI_NUMVERSION / 100000) % 100),
+                                    static_cast<int>((I_MPI_NUMVERSION / 1000) % 100));
 #elif defined(MPICH_NUMVERSION)
   const char* vendor = "MPICH";
   PyObject* version = Py_BuildValue("(iii)", MPICH_NUMVERSION / 10000000,
@@ -1132,6 +1141,24 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
                        version, "mpi_standard_version", MPI_VERSION, "mpi_standard_subversion",
                        MPI_SUBVERSION, "max_comms", kMaxComms, "max_local_devices",
                        kMaxLocalDevices, "platforms", platforms);
+}
+
+// Whether this MPI takes CUDA device pointers in its calls: True or False where
+// the MPI can say (Open MPI's MPIX_Query_cuda_support, MPICH's
+// MPIX_GPU_query_support; both answer at run time, e.g. for a library built with
+// CUDA but run with GPU support switched off), None where it cannot.
+PyObject* CudaAwareMpi(PyObject*, PyObject*) {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return PyBool_FromLong(MPIX_Query_cuda_support());
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  Py_RETURN_FALSE;  // Open MPI built without CUDA
+#elif defined(MPIX_GPU_SUPPORT_CUDA)
+  int supported = 0;
+  if (MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) != MPI_SUCCESS) Py_RETURN_NONE;
+  return PyBool_FromLong(supported);
+#else
+  Py_RETURN_NONE;
+#endif
 }
 
 // The reduction operators by name, so Python never duplicates the numbering.
@@ -1211,6 +1238,8 @@ PyMethodDef methods[] = {
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
+     "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
     {"begin_setup", BeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
