@@ -8,6 +8,8 @@
 #   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
 #                                benchmarks/results/)
+#   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
+#                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
 #   make clean                   remove the venvs and every build product
 #
 # Variables (make VAR=value):
@@ -143,7 +145,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test demo bench test-all clean clean-build FORCE
+.PHONY: install test demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -279,6 +281,26 @@ test-all:
 	$(MAKE) test MPI=mpich PYTHON=python3.12 || failed="$$failed mpich/python3.12"; \
 	if [ -n "$$failed" ]; then echo "=== test-all: FAILED:$$failed"; exit 1; fi; \
 	echo "=== test-all: all variants passed"
+
+# --- GPU nodes -------------------------------------------------------------------
+# On a GPU node whose GPU_PYTHON has jax with a CUDA plugin and mpi4py, with the
+# node's mpicc on PATH: build mpicoll with CUDA in place, then the tests on GPU
+# arrays at 1 and 2 ranks (test-gpu) or the GPU benchmark (bench-gpu); see
+# tools/gpu_suite.sh.  They work offline with the wheels `make gpu-wheels` puts in
+# .gpu-wheels/ (pytest-mpi; mpi4jax's source for the benchmark), fetched on a
+# machine with network.
+GPU_PYTHON ?= python3
+
+test-gpu:
+	GPU_PYTHON='$(GPU_PYTHON)' bash tools/gpu_suite.sh test
+
+bench-gpu:
+	GPU_PYTHON='$(GPU_PYTHON)' bash tools/gpu_suite.sh bench
+
+gpu-wheels: install
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-wheels pytest-mpi
+	$(VENV_PATH) $(PIP) download -q --no-deps --no-build-isolation --no-binary=:all: \
+	    -d .gpu-wheels mpi4jax
 
 clean-build:
 	rm -rf build *.egg-info mpicoll/_mpicoll_ffi*.so

@@ -62,6 +62,7 @@ def _rank_report():
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.local_devices()],
         **_mpi_build_report(),
+        **_gpu_report(),
     }
 
 
@@ -109,6 +110,50 @@ def _mpi_build_lines(reports):
         if len({repr(r[key]) for r in reports}) > 1:
             problems.append(f"{what} differs between ranks: "
                             + ", ".join(f"rank {r['topology'].rank}: {r[key]}" for r in reports))
+    return lines, problems
+
+
+# --- GPUs --------------------------------------------------------------------------
+
+def _gpu_report():
+    """This rank's GPU view: the build's platforms, the CUDA driver, the transport."""
+    import jax
+
+    from . import _native
+
+    try:
+        gpus = [str(d) for d in jax.devices("cuda")]
+    except RuntimeError:
+        gpus = []
+    driver = _native.extension.cuda_driver() if "cuda" in _native.PLATFORMS else None
+    return {"platforms": _native.PLATFORMS, "gpus": gpus, "cuda_driver": driver,
+            "gpu_transport": _native.GPU_TRANSPORT, "gpu_reason": _native.GPU_TRANSPORT_REASON,
+            "gpu_chunk": _native.GPU_CHUNK_BYTES}
+
+
+def _gpu_lines(reports):
+    """The summary lines about GPUs; a GPU without a CUDA build is a problem."""
+    first = reports[0]
+    lines = [f"platforms:     {', '.join(first['platforms'])} (handlers in this build)"]
+    problems = []
+    if "cuda" in first["platforms"]:
+        driver = first["cuda_driver"]
+        lines.append("CUDA driver:   " + (driver["error"] if driver["error"] else
+                                          f"{driver['version'] // 1000}."
+                                          f"{driver['version'] % 1000 // 10}, "
+                                          f"{driver['devices']} GPU(s) visible to rank 0"))
+        chunk = first["gpu_chunk"]
+        lines.append(f"GPU transport: {first['gpu_transport']} ({first['gpu_reason']}"
+                     + (f"; pipeline chunk {chunk} B" if first["gpu_transport"] == "staged"
+                        else "") + ")")
+    for r in reports:
+        if r["gpus"] and "cuda" not in r["platforms"]:
+            problems.append(f"rank {r['topology'].rank} has GPUs ({', '.join(r['gpus'])}) but "
+                            "mpicoll was built without CUDA: rebuild with MPICOLL_CUDA=1")
+    if len({r["gpu_transport"] for r in reports}) > 1:
+        problems.append("the GPU transport differs between ranks: "
+                        + ", ".join(f"rank {r['topology'].rank}: {r['gpu_transport']}"
+                                    for r in reports))
     return lines, problems
 
 # ----------------------------------------------------------------------------------
@@ -159,6 +204,9 @@ def _format(reports):
     ]
     build_lines, build_problems = _mpi_build_lines(reports)
     lines += build_lines
+    gpu_lines, gpu_problems = _gpu_lines(reports)
+    lines += gpu_lines
+    build_problems += gpu_problems
     from ._native import extension
     replaced = extension.replaced_sums()
     if replaced:

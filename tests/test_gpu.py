@@ -76,6 +76,7 @@ def test_collective_on_gpu_arrays(name, dtype, mode):
 
 
 # Chunk sizes that split every collective's blocks unevenly (and 0: no pipeline).
+# At one rank the single-rank path runs instead (no MPI, a copy on the GPU).
 @pytest.mark.parametrize("chunk_bytes", [0, 4096, 1000])
 @pytest.mark.parametrize("name", COLLECTIVES)
 def test_staging_pipeline_chunks(name, chunk_bytes):

@@ -721,12 +721,14 @@ ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int
 //   BeforeChunk(c, k)     chunk k's input must be in c.in when it returns
 //   AfterChunk(c, k)      chunk k's output in c.out is final
 //   Finish<Op>(c, ok)     after the last chunk: zeros off root, hand-back
-// Each returns an MPI code, or kTransportFailed with `error` set.
+// Each returns an MPI code, or kTransportFailed with `error` set.  A strategy
+// with kCallsMpi false does the whole collective in Begin.
 // HostMemory: XLA's CPU buffers (or GPU staging buffers) are MPI's buffers.
 // The GPU strategies (CUDA-aware, pinned staging) are in cuda_memory.h.
 constexpr int kTransportFailed = -1;  // MPI codes are never negative
 
 struct HostMemory {
+  static constexpr bool kCallsMpi = true;
   std::string error;
   bool advise_huge_pages = true;
 
@@ -754,6 +756,7 @@ struct HostMemory {
 template <typename Op, typename Memory>
 int RunCollective(Call& c, Memory& memory) {
   int rc = memory.template Begin<Op>(c);
+  if constexpr (!Memory::kCallsMpi) return rc;  // the strategy did all of it
   const size_t block = BlockElements<Op>(c);
   const size_t step = std::max<size_t>(1, std::min(memory.ChunkElements(c, block), kMaxChunk));
   for (size_t offset = 0; rc == MPI_SUCCESS && offset < block; offset += step) {

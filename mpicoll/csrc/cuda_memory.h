@@ -189,6 +189,7 @@ DeviceStaging device_staging[kMaxLocalDevices];
 // in one pinned buffer.
 class StagedMemory {
  public:
+  static constexpr bool kCallsMpi = true;
   std::string error;
 
   StagedMemory(DeviceStaging& staging, CUstream stream) : staging_(staging), stream_(stream) {}
@@ -291,6 +292,7 @@ class StagedMemory {
 // finished the kernels that produce the input.
 class CudaAwareMemory {
  public:
+  static constexpr bool kCallsMpi = true;
   std::string error;
 
   explicit CudaAwareMemory(CUstream stream) : stream_(stream) {}
@@ -333,6 +335,40 @@ class CudaAwareMemory {
   CUstream stream_;
 };
 
+// A communicator of one rank: every collective's output holds its input's
+// bytes (bcast, reduce, allreduce, alltoall keep the shape; scatter drops and
+// gather/allgather add a leading axis of 1), so the collective is one copy on
+// the GPU, or nothing where XLA gave both the same buffer.  Staging it through
+// host memory would only cost two copies across PCIe.
+class SingleRankMemory {
+ public:
+  static constexpr bool kCallsMpi = false;
+  std::string error;
+
+  explicit SingleRankMemory(CUstream stream) : stream_(stream) {}
+
+  template <typename Op>
+  int Begin(Call& c) {
+    if (InPlace(c)) return MPI_SUCCESS;
+    if (CUresult r = Driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(c.out),
+                                            reinterpret_cast<CUdeviceptr>(c.in),
+                                            c.out_count * c.elem_bytes, stream_);
+        r != CUDA_SUCCESS) {
+      error = CudaErrorText("cuMemcpyAsync", r);
+      return kTransportFailed;
+    }
+    return MPI_SUCCESS;
+  }
+  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
+  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+  template <typename Op>
+  int Finish(const Call&, bool) { return MPI_SUCCESS; }
+
+ private:
+  CUstream stream_;
+};
+
 ffi::Error CudaScopeError(const Call& c, const CudaScope& scope) {
   return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on a GPU: " + scope.error);
 }
@@ -349,6 +385,10 @@ ffi::Error CudaEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (!scope.error.empty()) return CudaScopeError(c, scope);
   auto describe = [&] { return DescribeArray<Op>(c, x); };
   // The 0/1 fix-up of logical ops on one rank runs on host bytes: staged.
+  if (c.size == 1 && !NeedsTruthValues(c)) {
+    SingleRankMemory memory(stream);
+    return Execute<Op>(c, device, memory, describe);
+  }
   if (gpu_transport.load(std::memory_order_relaxed) == kCudaAware && !NeedsTruthValues(c)) {
     CudaAwareMemory memory(stream);
     return Execute<Op>(c, device, memory, describe);
