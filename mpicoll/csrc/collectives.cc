@@ -727,9 +727,17 @@ ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int
 // The GPU strategies (CUDA-aware, pinned staging) are in cuda_memory.h.
 constexpr int kTransportFailed = -1;  // MPI codes are never negative
 
-struct HostMemory {
+// What strategies that give MPI whole buffers share: one chunk per call (up
+// to kMaxChunk elements), nothing to do between chunks.
+struct WholeBuffers {
   static constexpr bool kCallsMpi = true;
   std::string error;
+  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
+  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
+};
+
+struct HostMemory : WholeBuffers {
   bool advise_huge_pages = true;
 
   template <typename Op>
@@ -741,9 +749,6 @@ struct HostMemory {
     }
     return MPI_SUCCESS;
   }
-  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
-  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
-  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
   template <typename Op>
   int Finish(const Call& c, bool ok) {
     // Output shapes do not depend on the rank; off root they are zeros.

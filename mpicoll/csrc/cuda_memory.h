@@ -64,6 +64,26 @@ std::string CudaErrorText(const char* what, CUresult result) {
   return std::string(what) + " failed: " + (text ? text : "CUDA error " + std::to_string(result));
 }
 
+// A CUDA result as an MPI-style code: MPI_SUCCESS, or kTransportFailed with
+// `error` saying what failed.
+int Checked(CUresult result, const char* what, std::string& error) {
+  if (result == CUDA_SUCCESS) return MPI_SUCCESS;
+  error = CudaErrorText(what, result);
+  return kTransportFailed;
+}
+
+// Device-to-device copy and zeroing of XLA's buffers, on its stream.
+int CopyOnStream(CUstream stream, std::string& error, char* dst, const char* src, size_t bytes) {
+  return Checked(Driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst),
+                                        reinterpret_cast<CUdeviceptr>(src), bytes, stream),
+                 "cuMemcpyAsync", error);
+}
+
+int ZeroOnStream(CUstream stream, std::string& error, char* dst, size_t bytes) {
+  return Checked(Driver().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(dst), 0, bytes, stream),
+                 "cuMemsetD8Async", error);
+}
+
 // Which memory strategy the CUDA handlers use, chosen once in Python at import
 // (MPICOLL_GPU_TRANSPORT, MPIX_Query_cuda_support) and reported by `info`.
 enum GpuTransport : int { kStaged = 0, kCudaAware = 1 };
@@ -145,20 +165,17 @@ struct DeviceStaging {
   // the GPU may still be reading.
   int WaitReleased(std::string& error) {
     if (!released) return MPI_SUCCESS;
-    if (CUresult r = Driver().cuEventSynchronize(released); r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuEventSynchronize", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return Checked(Driver().cuEventSynchronize(released), "cuEventSynchronize", error);
   }
 
   int Reserve(int which, size_t bytes, std::string& error) {
     const CudaDriver& cu = Driver();
     for (CUevent* event : {&chunk_copied_in[0], &chunk_copied_in[1], &released}) {
       if (*event) continue;
-      if (CUresult r = cu.cuEventCreate(event, CU_EVENT_DISABLE_TIMING); r != CUDA_SUCCESS) {
-        error = CudaErrorText("cuEventCreate", r);
-        return kTransportFailed;
+      if (int rc = Checked(cu.cuEventCreate(event, CU_EVENT_DISABLE_TIMING), "cuEventCreate",
+                           error);
+          rc != MPI_SUCCESS) {
+        return rc;
       }
     }
     if (bytes <= capacity[which]) return MPI_SUCCESS;
@@ -233,12 +250,8 @@ class StagedMemory {
         return rc;
       }
     }
-    if (CUresult r = Driver().cuEventSynchronize(staging_.chunk_copied_in[chunk_++ % 2]);
-        r != CUDA_SUCCESS) {
-      error = CudaErrorText("waiting for the copy from the GPU", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return Checked(Driver().cuEventSynchronize(staging_.chunk_copied_in[chunk_++ % 2]),
+                   "waiting for the copy from the GPU", error);
   }
 
   int AfterChunk(const Call&, const Chunk& k) {
@@ -250,20 +263,12 @@ class StagedMemory {
 
   template <typename Op>
   int Finish(const Call&, bool ok) {
-    const CudaDriver& cu = Driver();
     if (ok && !copy_out_) {
-      if (CUresult r = cu.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(device_out_), 0,
-                                          out_bytes_, stream_);
-          r != CUDA_SUCCESS) {
-        error = CudaErrorText("cuMemsetD8Async", r);
-        return kTransportFailed;
+      if (int rc = ZeroOnStream(stream_, error, device_out_, out_bytes_); rc != MPI_SUCCESS) {
+        return rc;
       }
     }
-    if (CUresult r = cu.cuEventRecord(staging_.released, stream_); r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuEventRecord", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return Checked(Driver().cuEventRecord(staging_.released, stream_), "cuEventRecord", error);
   }
 
  private:
@@ -272,12 +277,8 @@ class StagedMemory {
     int rc = CudaCopy2D(stream_, error, host_in_ + at, pitch, device_in_ + at, pitch,
                         count * elem_bytes_, rows_in_);
     if (rc != MPI_SUCCESS) return rc;
-    if (CUresult r = Driver().cuEventRecord(staging_.chunk_copied_in[chunk % 2], stream_);
-        r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuEventRecord", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return Checked(Driver().cuEventRecord(staging_.chunk_copied_in[chunk % 2], stream_),
+                   "cuEventRecord", error);
   }
 
   DeviceStaging& staging_;
@@ -290,45 +291,26 @@ class StagedMemory {
 
 // CUDA-aware MPI: XLA's device pointers go to MPI once the stream has
 // finished the kernels that produce the input.
-class CudaAwareMemory {
+class CudaAwareMemory : public WholeBuffers {
  public:
-  static constexpr bool kCallsMpi = true;
-  std::string error;
 
   explicit CudaAwareMemory(CUstream stream) : stream_(stream) {}
 
   template <typename Op>
   int Begin(Call& c) {
-    const CudaDriver& cu = Driver();
     // bcast sends from its output buffer.
     if (std::is_same_v<Op, BcastOp> && !InPlace(c) && c.rank == c.root) {
-      if (CUresult r = cu.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(c.out),
-                                        reinterpret_cast<CUdeviceptr>(c.in),
-                                        c.out_count * c.elem_bytes, stream_);
-          r != CUDA_SUCCESS) {
-        error = CudaErrorText("cuMemcpyAsync", r);
-        return kTransportFailed;
+      if (int rc = CopyOnStream(stream_, error, c.out, c.in, c.out_count * c.elem_bytes);
+          rc != MPI_SUCCESS) {
+        return rc;
       }
     }
-    if (CUresult r = cu.cuStreamSynchronize(stream_); r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuStreamSynchronize", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return Checked(Driver().cuStreamSynchronize(stream_), "cuStreamSynchronize", error);
   }
-  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
-  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
-  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
   template <typename Op>
   int Finish(const Call& c, bool ok) {
     if (!ok || !OutputIsZeros<Op>(c)) return MPI_SUCCESS;
-    if (CUresult r = Driver().cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(c.out), 0,
-                                              c.out_count * c.elem_bytes, stream_);
-        r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuMemsetD8Async", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return ZeroOnStream(stream_, error, c.out, c.out_count * c.elem_bytes);
   }
 
  private:
@@ -340,28 +322,17 @@ class CudaAwareMemory {
 // gather/allgather add a leading axis of 1), so the collective is one copy on
 // the GPU, or nothing where XLA gave both the same buffer.  Staging it through
 // host memory would only cost two copies across PCIe.
-class SingleRankMemory {
+class SingleRankMemory : public WholeBuffers {
  public:
   static constexpr bool kCallsMpi = false;
-  std::string error;
 
   explicit SingleRankMemory(CUstream stream) : stream_(stream) {}
 
   template <typename Op>
   int Begin(Call& c) {
     if (InPlace(c)) return MPI_SUCCESS;
-    if (CUresult r = Driver().cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(c.out),
-                                            reinterpret_cast<CUdeviceptr>(c.in),
-                                            c.out_count * c.elem_bytes, stream_);
-        r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuMemcpyAsync", r);
-      return kTransportFailed;
-    }
-    return MPI_SUCCESS;
+    return CopyOnStream(stream_, error, c.out, c.in, c.out_count * c.elem_bytes);
   }
-  size_t ChunkElements(const Call&, size_t) const { return kMaxChunk; }
-  int BeforeChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
-  int AfterChunk(const Call&, const Chunk&) { return MPI_SUCCESS; }
   template <typename Op>
   int Finish(const Call&, bool) { return MPI_SUCCESS; }
 
@@ -434,10 +405,7 @@ ffi::Error CudaFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::To
   if (ReadsInput<Op>(c)) {
     rc = CopyPacked(true, arrays.in, arrays.in_row, arrays.in_rows, c.in, c.elem_bytes, copy);
     if (rc == MPI_SUCCESS) {
-      if (CUresult r = Driver().cuStreamSynchronize(stream); r != CUDA_SUCCESS) {
-        error = CudaErrorText("cuStreamSynchronize", r);
-        rc = kTransportFailed;
-      }
+      rc = Checked(Driver().cuStreamSynchronize(stream), "cuStreamSynchronize", error);
     }
     if (rc != MPI_SUCCESS) return failed();
   }
@@ -449,10 +417,7 @@ ffi::Error CudaFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::To
   if (err.failure()) return err;
   rc = CopyPacked(false, arrays.out, arrays.out_row, arrays.out_rows, c.out, c.elem_bytes, copy);
   if (rc == MPI_SUCCESS) {
-    if (CUresult r = Driver().cuEventRecord(staging.released, stream); r != CUDA_SUCCESS) {
-      error = CudaErrorText("cuEventRecord", r);
-      rc = kTransportFailed;
-    }
+    rc = Checked(Driver().cuEventRecord(staging.released, stream), "cuEventRecord", error);
   }
   return rc == MPI_SUCCESS ? ffi::Error::Success() : failed();
 }
