@@ -372,7 +372,10 @@ def _as_array(x, caller):
                         "x.astype(x.dtype.newbyteorder('='))")
     try:
         return jnp.asarray(x)
-    except (TypeError, ValueError, OverflowError) as error:
+    except OverflowError as error:  # a Python int beyond the integer dtype JAX gives it
+        raise TypeError(f"mpicoll.{caller}: x = {x!r} overflows ({error}); pass an array "
+                        "with an explicit dtype that holds it") from error
+    except (TypeError, ValueError) as error:
         raise TypeError(f"mpicoll.{caller}: x must be an array or a scalar, "
                         f"got {type(x).__name__}") from error
 
@@ -381,6 +384,11 @@ def _check_root(root, size, caller, among=None):
     try:
         root = operator.index(root)
     except TypeError:
+        if isinstance(root, jax.core.Tracer):
+            raise TypeError(f"mpicoll.{caller}: root must be a static int, but it is traced "
+                            "(an argument of a jitted function?): MPI needs the root when the "
+                            "program is compiled; make it static (jax.jit(f, static_argnums=...)"
+                            " or static_argnames) or close over it") from None
         raise TypeError(f"mpicoll.{caller}: root must be an int, got {type(root).__name__}") \
             from None
     if not 0 <= root < size:
@@ -473,8 +481,8 @@ def _collective(spec, x, **kwargs):
         return _bind(spec, leaves[0], **kwargs)
     if not leaves:
         return x
-    leaves = [_as_array(leaf, spec.name) for leaf in leaves]
-    _check_leaves(spec, leaves, **kwargs)  # every leaf, before any MPI call
+    leaves = _each_leaf(x, leaves, lambda leaf: _as_array(leaf, spec.name))
+    _check_leaves(spec, x, leaves, **kwargs)  # every leaf, before any MPI call
     kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
     if spec.reduces:
         kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
@@ -519,13 +527,26 @@ def _messages(leaves):
     return messages
 
 
-def _check_leaves(spec, leaves, *, comm, root=0, op=None):
+def _check_leaves(spec, tree, leaves, *, comm, root=0, op=None):
     """_validated_params for every leaf: once per distinct (dtype, leading axis), in tree order."""
     distinct = {}
-    for leaf in leaves:
-        distinct.setdefault((leaf.dtype, leaf.shape[:1]), leaf)
-    for leaf in distinct.values():
-        _validated_params(spec, leaf, comm, root, op, transpose_sums=False)
+    for index, leaf in enumerate(leaves):
+        distinct.setdefault((leaf.dtype, leaf.shape[:1]), index)
+    _each_leaf(tree, leaves, lambda leaf: _validated_params(spec, leaf, comm, root, op, False),
+               indices=distinct.values())
+
+
+def _each_leaf(tree, leaves, fn, indices=None):
+    """[fn(leaf) for the leaves at indices (default: all)]; an error names the leaf's path."""
+    results = []
+    for index in range(len(leaves)) if indices is None else indices:
+        try:
+            results.append(fn(leaves[index]))
+        except (TypeError, ValueError) as error:
+            path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][index]
+            raise type(error)(f"{error} (in the pytree leaf x{jax.tree_util.keystr(path)})") \
+                from error
+    return results
 
 
 def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
@@ -607,13 +628,23 @@ def bcast(x, root=0, *, comm=None, axis_name=None):
     return _collective(BCAST, x, comm=comm, root=root)
 
 
-def scatter(x, root=0, *, comm=None):
+def _no_global_form(name, axis_name, instead):
+    if axis_name is not None:
+        raise NotImplementedError(
+            f"mpicoll.{name}: axis_name is not supported: {name} has no global (ranks x "
+            f"devices) form; {instead}, or call {name} without axis_name inside pmap/shard_map "
+            "(one collective per local device)")
+
+
+def scatter(x, root=0, *, comm=None, axis_name=None):
     """Rank r gets root's x[r]; x has shape (size, *s) on every rank (MPI_Scatter). Output: s."""
+    _no_global_form("scatter", axis_name, "use alltoall(x, axis_name=...)")
     return _collective(SCATTER, x, comm=comm, root=root)
 
 
-def reduce(x, op="sum", root=0, *, comm=None):
+def reduce(x, op="sum", root=0, *, comm=None, axis_name=None):
     """Reduction of x over ranks on root, zeros elsewhere (MPI_Reduce). Output: x.shape."""
+    _no_global_form("reduce", axis_name, "use allreduce(x, op, axis_name=...)")
     return _collective(REDUCE, x, comm=comm, root=root, op=op)
 
 
@@ -627,8 +658,9 @@ def allreduce(x, op="sum", *, comm=None, axis_name=None):
     return _collective(ALLREDUCE, x, comm=comm, op=op)
 
 
-def gather(x, root=0, *, comm=None):
+def gather(x, root=0, *, comm=None, axis_name=None):
     """Stack of every rank's x by rank on root, zeros elsewhere (MPI_Gather). Output: (size, *x.shape)."""
+    _no_global_form("gather", axis_name, "use allgather(x, axis_name=...)")
     return _collective(GATHER, x, comm=comm, root=root)
 
 
@@ -659,16 +691,18 @@ def barrier(*, comm=None):
 
 
 def pvary(x, *, comm=None):
-    """x unchanged; under autodiff its cotangent is summed over the ranks of comm.
+    """x (an array or a pytree) unchanged; under autodiff its cotangent is summed over ranks.
 
     Use it on a value that is identical on every rank (parameters, a bcast or
     allreduce result) before using it in a rank-dependent way, so that the
     gradient collects every rank's contribution.
     """
     info = comm_layer.resolve(comm, "pvary")
-    x = _as_array(x, "pvary")
-    _dtypes_and_ops.dtype_family(x.dtype, "pvary")
-    return pvary_p.bind(x, comm=info.slot, size=info.size)
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = _each_leaf(x, leaves, lambda leaf: _as_array(leaf, "pvary"))
+    _each_leaf(x, leaves, lambda leaf: _dtypes_and_ops.dtype_family(leaf.dtype, "pvary"))
+    return jax.tree.unflatten(treedef, [pvary_p.bind(leaf, comm=info.slot, size=info.size)
+                                        for leaf in leaves])
 
 
 from . import global_collectives  # noqa: E402  (composes the primitives defined above)

@@ -334,3 +334,44 @@ GLOBAL_PARAMS = [(name, case) for case, (names, *_) in GLOBAL_CASES.items() for 
 def test_bad_global_call(name, case, mode):
     _, make, exception, argument = GLOBAL_CASES[case]
     check_refused(make(name), exception, argument, mode, 9)
+
+
+# ---------------------------------------------------------------------------
+# Messages that name the cause: an overflowing int, the bad leaf of a pytree
+# (its path), a traced root, axis_name where a collective has no global form.
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", WITH_X)
+def test_overflowing_int_says_so(name, mode):
+    check_refused(lambda: call(name, 2 ** 70), TypeError, "x", mode, 11, mentions=("overflows",))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", WITH_X)
+def test_bad_leaf_is_named_by_its_path(name, mode):
+    tree = {"layer": [_good_input(name), "abc"]}
+    check_refused(lambda: call(name, tree), TypeError, "x", mode, 12,
+                  mentions=("x['layer'][1]",))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", REDUCING)
+def test_leaf_whose_dtype_the_op_lacks_is_named(name, mode):
+    tree = {"w": _good_input(name), "mask": np.ones(2, np.bool_)}
+    check_refused(lambda: call(name, tree, op="sum"), TypeError, "op", mode, 13,
+                  mentions=("x['mask']",))
+
+
+@pytest.mark.parametrize("name", ROOTED)
+def test_traced_root_asks_for_a_static_root(name):
+    x = _good_input(name)
+    check_refused(lambda: jax.jit(lambda a, r: call(name, a, r))(x, 0), TypeError, "root",
+                  "eager", 14, mentions=("static_argnums",))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ("reduce", "gather", "scatter"))
+def test_axis_name_where_there_is_no_global_form(name, mode):
+    fn = getattr(mpicoll, name)
+    check_refused(lambda: fn(_good_input(name), axis_name="i"), NotImplementedError,
+                  "axis_name", mode, 15)

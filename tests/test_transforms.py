@@ -239,6 +239,21 @@ def test_vmap_issues_one_mpi_call_for_the_batch():
 # ---------------------------------------------------------------------------
 # pvary and data-parallel training.
 
+def test_pvary_takes_a_pytree():
+    params = {"w": jnp.ones(3), "b": [jnp.asarray(2.0)]}
+    varying = mpicoll.pvary(params)
+    assert jax.tree.structure(varying) == jax.tree.structure(params)
+
+    def local(p):
+        p = mpicoll.pvary(p)
+        return (p["w"] * (RANK + 1)).sum() + p["b"][0] * RANK
+
+    grads = jax.jit(jax.grad(local))(params)
+    # Each leaf's cotangent is summed over the ranks.
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.full(3, SIZE * (SIZE + 1) / 2))
+    np.testing.assert_allclose(float(grads["b"][0]), SIZE * (SIZE - 1) / 2)
+
+
 def test_pvary_sums_cotangents_of_a_replicated_value_used_per_rank():
     w = jnp.arange(3.0)  # identical on every rank
     X = global_data((3,), jnp.float64, 0)
