@@ -220,7 +220,12 @@ def test_pip_install_into_a_fresh_venv_builds_against_this_mpi_and_runs(tmp_path
             "from mpi4py import MPI\n"
             "rank = MPI.COMM_WORLD.Get_rank()\n"
             "out = mpicoll.allreduce(np.arange(3.0) + rank)\n"
-            "print('rank', rank, mpicoll.__file__, np.asarray(out).tolist(), flush=True)\n")
+            # Rank 0 prints every rank's line: two ranks printing at once may
+            # interleave within a line in the launcher's forwarded stdout.
+            "lines = MPI.COMM_WORLD.gather(f'rank {rank} {mpicoll.__file__} "
+            "{np.asarray(out).tolist()}', root=0)\n"
+            "if rank == 0:\n"
+            "    print('\\n'.join(lines), flush=True)\n")
     # A binary mpi4py wheel looks for libmpi in its own environment and then the
     # system's; the MPI this venv uses may be a wheel in this venv, so name it.
     # (An mpi4py compiled from source is linked to its libmpi and ignores this.)
