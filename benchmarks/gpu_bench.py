@@ -28,9 +28,7 @@ Writes gpu_bench-<ranks>.json to --out and prints a table per collective (rank 0
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

@@ -198,12 +198,14 @@ def _backend_present(platform):
 
 def _register_lowerings(primitive, rule):
     for platform in LOWERING_PLATFORMS:
-        _compat.register_lowering(primitive, _lowering_for(platform, rule), platform=platform)
+        _compat.register_lowering(primitive, _lowering_for(primitive, platform, rule),
+                                  platform=platform)
 
 
-def _lowering_for(platform, rule):
+def _lowering_for(primitive, platform, rule):
     if platform in _native.PLATFORMS:
         return rule
+    name = primitive.name.removeprefix("mpicoll_")
 
     def missing_handlers(ctx, *args, **params):
         # Lowering for a platform this process does not have (cross-lowering,
@@ -211,19 +213,14 @@ def _lowering_for(platform, rule):
         # would reach XLA without a handler, so say how to build one instead.
         if _backend_present(platform):
             raise NotImplementedError(
-                f"mpicoll.{_primitive_name(ctx)}: this mpicoll build has no {platform} "
-                f"handlers, so it cannot run on {platform} arrays. Rebuild it with CUDA "
+                f"mpicoll.{name}: this mpicoll build has no {platform} handlers, so it "
+                f"cannot run on {platform} arrays. Rebuild it with CUDA "
                 "support: `MPICOLL_CUDA=1 make install` (or `MPICOLL_CUDA=1 pip install "
                 "--no-build-isolation .`), with cuda.h under $CUDA_HOME/include; "
                 "`python -m mpicoll info` shows what a build supports")
         return rule(ctx, *args, **params)
     return missing_handlers
 
-
-def _primitive_name(ctx):
-    """The collective a lowering context belongs to, for messages (mpicoll_allreduce -> allreduce)."""
-    name = getattr(ctx, "primitive", None)
-    return getattr(name, "name", "collective").removeprefix("mpicoll_")
 
 # vmap: one call for the whole batch.  The rank axis must stay leading, so a
 # batch axis in front of it moves behind it; the output's batch axis then

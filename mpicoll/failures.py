@@ -18,6 +18,7 @@ import traceback
 
 from mpi4py import MPI
 
+from . import _compat
 from ._native import extension
 
 
@@ -41,7 +42,6 @@ def clear_error():
     ordering token then carries that error into every later collective.  Call
     this once the error is handled, on every rank, to start from a fresh token.
     """
-    from . import _compat
     _compat.reset_effect_tokens()
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import mpicoll
+from mpicoll import _native, collectives
 from conftest import COLLECTIVES, SIZE, call, input_shape
 
 
@@ -49,3 +50,12 @@ def test_barrier_global_ops_and_ordering_lower(platform):
         jax.vmap(lambda a: mpicoll.allreduce(a, axis_name="i"), axis_name="i"),
         np.ones((1, 3), np.float32), platform=platform)
     assert custom_calls(global_sum) == ["mpicoll_allreduce"]
+
+
+@pytest.mark.skipif("cuda" in _native.PLATFORMS,
+                    reason="this build has cuda handlers (the message is for builds without)")
+def test_cpu_only_build_on_a_gpu_says_how_to_rebuild(monkeypatch):
+    # Stand in for a process that has a CUDA backend, with a CPU-only build.
+    monkeypatch.setattr(collectives, "_backend_present", lambda platform: True)
+    with pytest.raises(NotImplementedError, match=r"mpicoll\.allreduce: .*MPICOLL_CUDA=1"):
+        lowered_text(mpicoll.allreduce, jnp.ones(3, jnp.float32), platform="cuda")
