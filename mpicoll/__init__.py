@@ -13,9 +13,12 @@ from .collectives import (  # noqa: E402
     alltoall,
     barrier,
     bcast,
+    exscan,
     gather,
     pvary,
     reduce,
+    reduce_scatter,
+    scan,
     scatter,
 )
 from .comm import default_comm  # noqa: E402
@@ -26,4 +29,4 @@ from . import failures as _failures  # noqa: E402
 _failures.configure_from_environment()
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "clear_error", "default_comm",
-           "gather", "pvary", "reduce", "scatter", "set_check_mode", "set_timeout"]
+           "exscan", "gather", "pvary", "reduce", "reduce_scatter", "scan", "scatter", "set_check_mode", "set_timeout"]
