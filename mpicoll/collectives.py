@@ -51,7 +51,7 @@ class Collective:
     transpose(ct, params): cotangent of x from the output's cotangent; for a
         reduction this is the op="sum" case (the other ops are not linear).
     family: "blocks" (equal rank blocks; pytrees fuse), "vector" (counts per
-        rank) or "peer" (point-to-point); the last two carry `args` (ints the
+        rank) or "peer" (point-to-point); the last two carry `ffi_args` (ints the
         handler reads: counts, peers and tags) and have no fused form.
     check(x, info, **static): validates a family's static arguments (counts,
         peers) like the common checks, and returns the params they add.
@@ -299,7 +299,7 @@ def _make_primitive(spec):
         effects = {mpi_effect} if ordered else set()
         return _compat.aval_with_shape(x, spec.out_shape(x.shape, params)), effects
 
-    def lowering(ctx, x, *, comm, root, op, ordered, alias, args=(), **params):
+    def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), **params):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # In-place ops alias their output to x (operand 1 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
@@ -309,10 +309,10 @@ def _make_primitive(spec):
         aliases = {1: 1} if spec.in_place and alias else None
         call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True,
                                     operand_output_aliases=aliases)
-        # args: the vector and point-to-point families' ints (counts, peers).
+        # ffi_args: the vector and point-to-point families' ints (counts, peers).
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
-                          args=np.asarray(args, np.int64).reshape(-1))
+                          args=np.asarray(ffi_args, np.int64).reshape(-1))
         if ordered:
             _compat.set_token_out(ctx, mpi_effect, token)
         return [out]

@@ -79,21 +79,21 @@ def _shape_arg(shape, caller):
 # The specs.  Their output is the received array (send: an empty placeholder).
 
 def _check_send(x, info, dest, tag):
-    return dict(args=(PROC_NULL, _rank_arg(dest, "dest", info, "send"),
-                      _tag_arg(tag, "tag", "send"), 0))
+    return dict(ffi_args=(PROC_NULL, _rank_arg(dest, "dest", info, "send"),
+                          _tag_arg(tag, "tag", "send"), 0))
 
 
 def _check_recv(x, info, source, tag, shape):
-    return dict(args=(_rank_arg(source, "source", info, "recv", any_source=True), PROC_NULL, 0,
-                      _tag_arg(tag, "tag", "recv", any_tag=True)),
+    return dict(ffi_args=(_rank_arg(source, "source", info, "recv", any_source=True),
+                          PROC_NULL, 0, _tag_arg(tag, "tag", "recv", any_tag=True)),
                 recv_shape=_shape_arg(shape, "recv"))
 
 
 def _check_sendrecv(x, info, source, dest, sendtag, recvtag, shape):
-    return dict(args=(_rank_arg(source, "source", info, "sendrecv", any_source=True),
-                      _rank_arg(dest, "dest", info, "sendrecv"),
-                      _tag_arg(sendtag, "sendtag", "sendrecv"),
-                      _tag_arg(recvtag, "recvtag", "sendrecv", any_tag=True)),
+    return dict(ffi_args=(_rank_arg(source, "source", info, "sendrecv", any_source=True),
+                          _rank_arg(dest, "dest", info, "sendrecv"),
+                          _tag_arg(sendtag, "sendtag", "sendrecv"),
+                          _tag_arg(recvtag, "recvtag", "sendrecv", any_tag=True)),
                 recv_shape=_shape_arg(shape, "sendrecv"), send_shape=tuple(x.shape))
 
 
@@ -114,13 +114,13 @@ def _sendrecv_batch(x, dim, params):
 
 def _reverse_sendrecv(ct, params):
     """The transpose: each message travels back, from its receiver to its sender."""
-    source, dest, sendtag, recvtag = params["args"]
+    source, dest, sendtag, recvtag = params["ffi_args"]
     if source == ANY_SOURCE:
         raise NotImplementedError("mpicoll.sendrecv: cannot transpose a receive from "
                                   "ANY_SOURCE (the reverse message needs a definite dest)")
     # The reverse receive takes any tag from the (definite) reverse source.
     reverse = (dest, source, recvtag if recvtag != ANY_TAG else sendtag, ANY_TAG)
-    return collectives._run("sendrecv", ct, params, args=reverse,
+    return collectives._run("sendrecv", ct, params, ffi_args=reverse,
                             recv_shape=params["send_shape"], send_shape=params["recv_shape"])
 
 

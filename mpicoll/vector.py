@@ -64,7 +64,7 @@ def _check_own(caller):
         _leading(x, caller)
         counts = _counts_arg(counts, "counts", info, caller)
         _own_rows(x, counts[info.rank], info, caller)
-        return dict(args=(_rows(x), *counts))
+        return dict(ffi_args=(_rows(x), *counts))
     return check
 
 
@@ -74,7 +74,7 @@ def _check_scatterv(x, info, counts):
     if x.shape[0] != sum(counts):  # the same on every rank
         raise ValueError(f"mpicoll.scatterv: x must have sum(counts) = {sum(counts)} rows, got "
                          f"shape {tuple(x.shape)}")
-    return dict(args=(_rows(x), *counts))
+    return dict(ffi_args=(_rows(x), *counts))
 
 
 def _check_alltoallv(x, info, send_counts, recv_counts):
@@ -82,33 +82,33 @@ def _check_alltoallv(x, info, send_counts, recv_counts):
     send_counts = _counts_arg(send_counts, "send_counts", info, "alltoallv")
     recv_counts = _counts_arg(recv_counts, "recv_counts", info, "alltoallv")
     _own_rows(x, sum(send_counts), info, "alltoallv", what="sum(send_counts)")
-    return dict(args=(_rows(x), *send_counts, *recv_counts))
+    return dict(ffi_args=(_rows(x), *send_counts, *recv_counts))
 
 
 def _counts(params):
-    return params["args"][1:1 + params["size"]]
+    return params["ffi_args"][1:1 + params["size"]]
 
 
 def _batch(x, dim, params):
     """One call for the batch: the counts axis stays first, the row grows by the batch."""
     if dim == 0:
         x, dim = jnp.moveaxis(x, 0, 1), 1
-    return x, {**params, "args": (_rows(x), *params["args"][1:])}, dim
+    return x, {**params, "ffi_args": (_rows(x), *params["ffi_args"][1:])}, dim
 
 
 def _own_slice(ct, params):
     """Rank r's rows of an allgatherv output (with transpose_sums, of the sum over ranks)."""
     if params["transpose_sums"]:
-        ct = collectives._run("allreduce", ct, params, op=collectives._SUM, args=())
+        ct = collectives._run("allreduce", ct, params, op=collectives._SUM, ffi_args=())
     counts, rank = _counts(params), _rank(params)
     start = sum(counts[:rank])
     return ct[start:start + counts[rank]]
 
 
 def _swap_counts(ct, params):
-    args, size = params["args"], params["size"]
+    args, size = params["ffi_args"], params["size"]
     return collectives._run("alltoallv", ct, params,
-                            args=(args[0], *args[1 + size:], *args[1:1 + size]))
+                            ffi_args=(args[0], *args[1 + size:], *args[1:1 + size]))
 
 
 def _spec(name, out_rows, transpose, check, **flags):
@@ -138,7 +138,7 @@ SCATTERV = _spec("scatterv", lambda p: _counts(p)[_rank(p)],
 # alltoallv: rank r sends send_counts[j] rows to rank j and receives
 # recv_counts[j] rows from rank j, stored in rank order; the transpose sends
 # them back (counts swapped).
-ALLTOALLV = _spec("alltoallv", lambda p: sum(p["args"][1 + p["size"]:]), _swap_counts,
+ALLTOALLV = _spec("alltoallv", lambda p: sum(p["ffi_args"][1 + p["size"]:]), _swap_counts,
                   _check_alltoallv)
 
 
