@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from mpi4py import MPI
 
-from . import _compat, collectives
+from . import _compat, _dtypes_and_ops, collectives
 from .collectives import Collective, mpi_effect
 
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -188,12 +188,27 @@ def _with_status(out, return_status):
     return out, status[0], status[1]
 
 
+def _plain(value):
+    """A concrete integer array (e.g. a received source) as an int, for the eager cache key."""
+    if isinstance(value, (jax.Array, np.ndarray, np.integer)) and not isinstance(
+            value, jax.core.Tracer):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass  # the check reports it
+    return value
+
+
 def _template(template, caller):
     shape, dtype = getattr(template, "shape", None), getattr(template, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(f"mpicoll.{caller}: the template must have .shape and .dtype (an "
                         f"array or jax.ShapeDtypeStruct), got {type(template).__name__}")
-    return _shape_arg(shape, caller), np.dtype(dtype)
+    dtype = np.dtype(dtype)
+    if dtype not in _dtypes_and_ops.DTYPE_FAMILIES:
+        raise TypeError(f"mpicoll.{caller}: the template has unsupported dtype {dtype}; "
+                        f"supported dtypes: {', '.join(map(str, _dtypes_and_ops.DTYPE_FAMILIES))}")
+    return _shape_arg(shape, caller), dtype
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +216,7 @@ def _template(template, caller):
 
 def send(x, dest, tag=0, *, comm=None):
     """Send x to rank dest (MPI_Send), in program order. Returns None."""
-    collectives._bind(SEND, x, comm=comm, static=(("dest", dest), ("tag", tag)))
+    collectives._bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
 
 
 def recv(template, source, tag=0, *, comm=None, return_status=False):
@@ -214,7 +229,8 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
     """
     shape, dtype = _template(template, "recv")
     out = collectives._bind(RECV, jnp.zeros((0,), dtype), comm=comm,
-                            static=(("source", source), ("tag", tag), ("shape", shape)))
+                            static=(("source", _plain(source)), ("tag", _plain(tag)),
+                                    ("shape", shape)))
     return _with_status(out, return_status)
 
 
@@ -234,6 +250,6 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
             raise TypeError(f"mpicoll.sendrecv: recv_like has dtype {dtype}, but x has "
                             f"{x.dtype}; both sides of a sendrecv move one dtype")
     out = collectives._bind(SENDRECV, x, comm=comm, static=(
-        ("source", source), ("dest", dest), ("sendtag", sendtag), ("recvtag", recvtag),
-        ("shape", shape)))
+        ("source", _plain(source)), ("dest", _plain(dest)), ("sendtag", _plain(sendtag)),
+        ("recvtag", _plain(recvtag)), ("shape", shape)))
     return _with_status(out, return_status)
