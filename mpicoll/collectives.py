@@ -1,8 +1,9 @@
 """MPI collectives as ordered JAX primitives.
 
-One mechanism serves every collective.  A `Collective` spec gives what differs
-between them: the output shape rule, whether the op takes a root and a
-reduction op, its vmap rule and its transpose; `_make_primitive` turns a spec
+One mechanism serves every collective (and, through specs registered from
+vector.py and p2p.py, the variable-size collectives and point-to-point).  A
+`Collective` spec gives what differs between them: the output shape rule,
+whether the op takes a root and a reduction op, its vmap rule and its transpose; `_make_primitive` turns a spec
 into a JAX primitive with abstract evaluation, eager evaluation, a lowering to
 an FFI custom call that threads the MPI ordering token, batching and AD rules.
 `_bind` validates the arguments identically on every rank before binding, so
@@ -75,7 +76,6 @@ class Collective:
     family: str = "blocks"
     check: Callable = None
     batch: Callable = None
-    keeps_leading_axis: bool = False  # vmap keeps axis 0 first (counts along it)
     not_differentiable: str = None
 
     @property
@@ -283,7 +283,7 @@ def _lowering_for(primitive, platform, rule):
 # batch axis in front of it moves behind it; the output's batch axis then
 # shifts by the rank axes the op adds (gather) or removes (scatter).
 def _rank_axis_first(spec, x, dim):
-    if (spec.leading_axis_is_size or spec.keeps_leading_axis) and dim == 0:
+    if spec.leading_axis_is_size and dim == 0:
         return jnp.moveaxis(x, 0, 1), 1
     return x, dim
 

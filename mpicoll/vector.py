@@ -85,6 +85,15 @@ def _check_alltoallv(x, info, send_counts, recv_counts):
     return dict(ffi_args=(_rows(x), *send_counts, *recv_counts))
 
 
+def _static(counts):
+    """Counts as a tuple of ints where they are (a list, numpy ints), for the eager cache key;
+    anything else is left for the check to report."""
+    try:
+        return tuple(operator.index(c) for c in counts)
+    except TypeError:
+        return counts
+
+
 def _counts(params):
     return params["ffi_args"][1:1 + params["size"]]
 
@@ -119,7 +128,6 @@ def _spec(name, out_rows, transpose, check, **flags):
         family="vector",
         check=check,
         batch=_batch,
-        keeps_leading_axis=True,
         **flags))
 
 
@@ -148,7 +156,7 @@ def gatherv(x, counts, root=0, *, comm=None):
     counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
     Output: (sum(counts), *s) on every rank.
     """
-    return collectives._bind(GATHERV, x, comm=comm, root=root, static=(("counts", counts),))
+    return collectives._bind(GATHERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
 def allgatherv(x, counts, *, comm=None):
@@ -157,7 +165,7 @@ def allgatherv(x, counts, *, comm=None):
     counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
     Output: (sum(counts), *s).
     """
-    return collectives._bind(ALLGATHERV, x, comm=comm, static=(("counts", counts),))
+    return collectives._bind(ALLGATHERV, x, comm=comm, static=(("counts", _static(counts)),))
 
 
 def scatterv(x, counts, root=0, *, comm=None):
@@ -166,7 +174,7 @@ def scatterv(x, counts, root=0, *, comm=None):
     x: (sum(counts), *s) on every rank (only root's content is used).
     Output: (counts[r], *s).
     """
-    return collectives._bind(SCATTERV, x, comm=comm, root=root, static=(("counts", counts),))
+    return collectives._bind(SCATTERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
 def alltoallv(x, send_counts, recv_counts, *, comm=None):
@@ -178,4 +186,4 @@ def alltoallv(x, send_counts, recv_counts, *, comm=None):
     recv_counts[r] on rank j (check mode verifies it).
     """
     return collectives._bind(ALLTOALLV, x, comm=comm, static=(
-        ("send_counts", send_counts), ("recv_counts", recv_counts)))
+        ("send_counts", _static(send_counts)), ("recv_counts", _static(recv_counts))))
