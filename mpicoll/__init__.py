@@ -20,10 +20,10 @@ from .collectives import (  # noqa: E402
 )
 from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
-from .failures import clear_error, set_check_mode, set_timeout  # noqa: E402
+from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
 
 _failures.configure_from_environment()
 
-__all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "clear_error", "default_comm",
-           "gather", "pvary", "reduce", "scatter", "set_check_mode", "set_timeout"]
+__all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "check_mode", "clear_error",
+           "default_comm", "gather", "pvary", "reduce", "scatter", "set_check_mode", "set_timeout"]

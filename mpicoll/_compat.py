@@ -4,6 +4,8 @@ JAX's internals move between releases; when one of these breaks, this file is
 the only one to change.  Each helper states what it needs from JAX.
 """
 
+import inspect
+
 import jax
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -14,6 +16,20 @@ ShapedArray = _core.ShapedArray
 abstract_token = _core.abstract_token
 Effect = _effects.Effect
 register_lowering = _mlir.register_lowering
+_LOWERING_CACHE_OPT_OUT = "cacheable" in inspect.signature(_mlir.register_lowering).parameters
+
+
+def register_call_site_lowering(primitive, rule, platform):
+    """Register a lowering that runs for every call site, never shared between them.
+
+    JAX may lower identical equations of one module once and call that
+    function from each; mpicoll's lowering numbers each call site (failures.py:
+    first-run checks), so it opts out of that cache where JAX has one.
+    """
+    if _LOWERING_CACHE_OPT_OUT:
+        _mlir.register_lowering(primitive, rule, platform=platform, cacheable=False)
+    else:
+        _mlir.register_lowering(primitive, rule, platform=platform)
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
@@ -142,3 +158,16 @@ def check_vma_enabled():
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
     return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+
+
+from jax._src import mesh as _mesh  # noqa: E402
+
+
+def devices_running_this_trace():
+    """How many devices will run the program being traced: inside pmap/shard_map
+    the product of the manual mesh axes, else 1 (vmap axes are not devices)."""
+    mesh = _mesh.get_abstract_mesh()
+    count = 1
+    for name in getattr(mesh, "manual_axes", ()):
+        count *= mesh.shape[name]
+    return count

@@ -33,9 +33,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <unordered_set>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -43,8 +45,6 @@
 #ifdef MPICOLL_CUDA  // GPU support (cuda_memory.h); the CUDA driver is loaded at run time
 #include <cuda.h>
 #include <dlfcn.h>
-
-#include <mutex>
 #endif
 
 namespace ffi = xla::ffi;
@@ -310,6 +310,7 @@ struct Call {
   char* out;
   size_t in_count;
   size_t out_count;
+  int64_t site;  // the call site in its program (for the first-run check)
 };
 
 bool InPlace(const Call& c) { return c.in == c.out; }
@@ -464,11 +465,43 @@ ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
 }
 
 // ---------------------------------------------------------------------------
-// Check mode: before each collective the ranks compare a fingerprint of what
-// they are about to call (op, dtype, shape, root, reduction, communicator).  On
-// a mismatch every rank gets an error listing what each rank called, instead
-// of a hang or garbage.  Off by default (it costs one small allreduce).
-std::atomic<bool> check_mode{false};
+// Checks: the ranks compare a fingerprint of what they are about to call (op,
+// dtype, shape, root, reduction) on the call's communicator.  On a mismatch
+// every rank gets an error listing what each rank called, instead of a hang,
+// an MPI abort or garbage.  It costs one small allreduce, so by default
+// (kCheckFirstRun) each call site of a compiled program is checked the first
+// time it runs on each device, and never again; kCheckEveryCall checks every
+// call (MPICOLL_CHECK=1).
+enum CheckMode : int { kCheckOff = 0, kCheckFirstRun = 1, kCheckEveryCall = 2 };
+std::atomic<int> check_mode{kCheckFirstRun};
+
+// Call sites already checked, per local device (each device runs its own copy
+// of a program, on its own communicator).  Sites are numbered by Python when
+// it lowers a call; 0 is a call with no site (always checked in first-run mode).
+struct CheckedSites {
+  std::mutex mutex;
+  std::unordered_set<int64_t> sites;
+};
+CheckedSites checked_sites[kMaxLocalDevices];
+
+bool NeedsCheck(const Call& c, int32_t device) {
+  const int mode = check_mode.load(std::memory_order_relaxed);
+  if (mode != kCheckFirstRun) return mode == kCheckEveryCall;
+  if (c.size == 1) return false;  // nobody to disagree with
+  if (c.site == 0) return true;
+  CheckedSites& checked = checked_sites[device];
+  std::lock_guard<std::mutex> lock(checked.mutex);
+  return checked.sites.count(c.site) == 0;
+}
+
+// Only once the ranks agreed: a failed check fails on every rank, so every
+// rank checks that site again next time.
+void MarkChecked(const Call& c, int32_t device) {
+  if (check_mode.load(std::memory_order_relaxed) != kCheckFirstRun || c.site == 0) return;
+  CheckedSites& checked = checked_sites[device];
+  std::lock_guard<std::mutex> lock(checked.mutex);
+  checked.sites.insert(c.site);
+}
 
 const char* DtypeName(ffi::DataType t) {
   switch (t) {
@@ -502,27 +535,45 @@ std::string CommName(MPI_Comm comm) {
 }
 
 constexpr int kDescriptionBytes = 256;
+// Every mismatch message starts with this (Python looks for it, and users may).
+constexpr const char* kMismatchPrefix = "mpicoll: ranks called different collectives";
 
-// Compares `description` across the ranks of c.comm; an error lists them all.
-ffi::Error CheckSameCall(const Call& c, const std::string& description) {
+// Compares `description` across the ranks of `comm`: "" if every rank has
+// the same one, else a message listing every rank's.  Python uses it too, for
+// a call that one rank rejects while another may be running it.
+std::atomic<int64_t> comparisons_made{0};  // by this process (tests and benchmarks read it)
+
+std::string CompareAcrossRanks(MPI_Comm comm, int rank, int size, const std::string& description) {
+  comparisons_made.fetch_add(1, std::memory_order_relaxed);
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
   for (unsigned char ch : description) hash = (hash ^ ch) * 1099511628211ull;
   long long value = static_cast<long long>(hash >> 2);  // keep -value representable
   long long extremes[2] = {value, -value};
-  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, c.comm);
-  if (rc != MPI_SUCCESS) return ffi::Error::Internal("mpicoll check mode: MPI_Allreduce failed");
-  if (extremes[0] == -extremes[1]) return ffi::Error::Success();
-  std::string all(static_cast<size_t>(kDescriptionBytes) * c.size, '\0');
+  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, comm);
+  if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allreduce)";
+  if (extremes[0] == -extremes[1]) return "";
+  std::string all(static_cast<size_t>(kDescriptionBytes) * size, '\0');
   char mine[kDescriptionBytes] = {};
   std::strncpy(mine, description.c_str(), kDescriptionBytes - 1);
   rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes, MPI_CHAR,
-                     c.comm);
-  std::string message = std::string("mpicoll check mode: ranks called different collectives on ") +
-                        CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "):";
-  for (int r = 0; rc == MPI_SUCCESS && r < c.size; ++r) {
+                     comm);
+  std::string message = std::string(kMismatchPrefix) + " on " + CommName(comm) +
+                        " (this is rank " + std::to_string(rank) + "):";
+  for (int r = 0; rc == MPI_SUCCESS && r < size; ++r) {
     message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
   }
-  return ffi::Error::InvalidArgument(message);
+  return message;
+}
+
+// The check before a call (see CheckMode).  Internal, like every error a
+// running collective returns, so that JAX raises one type (JaxRuntimeError)
+// whichever path dispatched the program.
+ffi::Error CheckSameCall(const Call& c, int32_t device, const std::string& description) {
+  if (!NeedsCheck(c, device)) return ffi::Error::Success();
+  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, description);
+  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
+  MarkChecked(c, device);
+  return ffi::Error::Success();
 }
 
 std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const int64_t> dims,
@@ -695,8 +746,9 @@ bool OutputIsZeros(const Call& c) { return Op::kZerosOffRoot && c.rank != c.root
 // The call's communicator, root, op and MPI types, from the attributes and dtype.
 template <typename Op>
 ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int64_t op,
-                   ffi::DataType dtype) {
+                   int64_t site, ffi::DataType dtype) {
   c.name = Op::kName;
+  c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
   c.root = static_cast<int>(root);
   c.op = op;
@@ -780,9 +832,7 @@ int RunCollective(Call& c, Memory& memory) {
 template <typename Op, typename Memory, typename Describe>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
   InFlightScope watched(c, device);
-  if (check_mode.load(std::memory_order_relaxed)) {
-    if (ffi::Error err = CheckSameCall(c, describe()); err.failure()) return err;
-  }
+  if (ffi::Error err = CheckSameCall(c, device, describe()); err.failure()) return err;
   // Every rank has the same shapes, so an empty array skips MPI on every rank.
   if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
   const int rc = RunCollective<Op>(c, memory);
@@ -796,8 +846,9 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe)
 
 template <typename Op>
 ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out,
-                        int32_t device, int64_t comm_slot, int64_t root, int64_t op) {
-  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, x.element_type());
+                        int32_t device, int64_t comm_slot, int64_t root, int64_t op,
+                        int64_t site) {
+  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, site, x.element_type());
       err.failure()) {
     return err;
   }
@@ -816,9 +867,10 @@ std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
 template <typename Op>
 ffi::Error CpuEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
-                    int64_t root, int64_t op) {
+                    int64_t root, int64_t op, int64_t site) {
   Call c{};
-  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op); err.failure()) {
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site);
+      err.failure()) {
     return err;
   }
   HostMemory memory;
@@ -844,7 +896,7 @@ struct FusedArrays {
 template <typename Op>
 ffi::Error PrepareFused(Call& c, FusedArrays& arrays, ffi::RemainingArgs& xs,
                         ffi::RemainingRets& outs, int32_t device, int64_t comm_slot,
-                        int64_t root, int64_t op) {
+                        int64_t root, int64_t op, int64_t site) {
   const size_t n = xs.size();
   auto first = xs.get<ffi::AnyBuffer>(0);
   if (n == 0 || outs.size() != n || !first.has_value()) {
@@ -852,7 +904,7 @@ ffi::Error PrepareFused(Call& c, FusedArrays& arrays, ffi::RemainingArgs& xs,
                                        ": a fused call needs n >= 1 arrays and n results");
   }
   const ffi::DataType dtype = first->element_type();
-  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, dtype); err.failure()) {
+  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, site, dtype); err.failure()) {
     return err;
   }
   arrays.in_rows = RowsIn<Op>(c);
@@ -915,10 +967,10 @@ int HostCopy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, s
 template <typename Op>
 ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
                          ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
-                         int64_t op) {
+                         int64_t op, int64_t site) {
   Call c{};
   thread_local FusedArrays arrays;
-  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op);
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
       err.failure()) {
     return err;
   }
@@ -943,14 +995,14 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
   return ffi::Error::Success();
 }
 
-ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot) {
+ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
+                        int64_t site) {
   Call c{};
   c.name = "barrier";
+  c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
   InFlightScope watched(c, device);
-  if (check_mode.load(std::memory_order_relaxed)) {
-    if (ffi::Error err = CheckSameCall(c, "barrier()"); err.failure()) return err;
-  }
+  if (ffi::Error err = CheckSameCall(c, device, "barrier()"); err.failure()) return err;
   if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }
@@ -968,7 +1020,8 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
       .Ctx<ffi::DeviceOrdinal>()                                                       \
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
-      .Attr<int64_t>("op")
+      .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")
 #define MPICOLL_FUSED_BINDING(Extra)                                                   \
   ffi::Ffi::Bind()                                                                     \
       .Arg<ffi::Token>()                                                               \
@@ -978,7 +1031,8 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
       .Ctx<ffi::DeviceOrdinal>()                                                       \
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
-      .Attr<int64_t>("op")
+      .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")
 #define MPICOLL_NO_CONTEXT
 
 #define MPICOLL_CPU_HANDLERS(Type, ...)                                                   \
@@ -995,7 +1049,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                                   .Arg<ffi::Token>()
                                   .Ret<ffi::Token>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm"));
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site"));
 
 struct Registration {
   std::string name;
@@ -1211,10 +1266,36 @@ PyObject* ReplacedSums(PyObject*, PyObject*) {
 }
 
 PyObject* SetCheckMode(PyObject*, PyObject* arg) {
-  int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  check_mode.store(on != 0);
+  long mode = PyLong_AsLong(arg);
+  if (mode == -1 && PyErr_Occurred()) return nullptr;
+  if (mode < kCheckOff || mode > kCheckEveryCall) {
+    PyErr_SetString(PyExc_ValueError, "check mode must be 0 (off), 1 (first run) or 2 (every call)");
+    return nullptr;
+  }
+  check_mode.store(static_cast<int>(mode));
   Py_RETURN_NONE;
+}
+
+PyObject* ComparisonsMade(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(comparisons_made.load());
+}
+
+// (slot, device, description) -> "" or the mismatch message (see CompareAcrossRanks).
+PyObject* CompareCall(PyObject*, PyObject* args) {
+  long long slot;
+  int device;
+  const char* description;
+  if (!PyArg_ParseTuple(args, "Lis", &slot, &device, &description)) return nullptr;
+  const DeviceComm* entry = LookupComm(slot, device);
+  if (entry == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll: no communicator registered for this slot");
+    return nullptr;
+  }
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS
+  message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  Py_END_ALLOW_THREADS
+  return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
 
 PyObject* SetTimeout(PyObject*, PyObject* arg) {
@@ -1232,7 +1313,12 @@ PyObject* PyAbortJob(PyObject*, PyObject* arg) {
 }
 
 PyMethodDef methods[] = {
-    {"set_check_mode", SetCheckMode, METH_O, "Compare a fingerprint of each call across ranks."},
+    {"set_check_mode", SetCheckMode, METH_O,
+     "Compare call fingerprints across ranks: 0 never, 1 each call site's first run, 2 always."},
+    {"comparisons_made", ComparisonsMade, METH_NOARGS,
+     "How many times this process has compared a call across ranks."},
+    {"compare_call", CompareCall, METH_VARARGS,
+     "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
     {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"registrations", Registrations, METH_VARARGS,
