@@ -25,21 +25,30 @@ def _odd_one_out(value_on_0, value_elsewhere):
     return value_on_0 if RANK == 0 else value_elsewhere
 
 
+# A shape no other test uses: the programs below are then new on every rank,
+# and a call site is compared on its first run in this process.  (A rank that
+# re-runs a program while another runs a new one is not compared: README.)
+SHAPE = (7, 11)
+OTHER = (7, 12)
+
 # name -> (function, argument) whose call differs on rank 0 from the others'.
 CASES = {
-    "shape": (mpicoll.allreduce, lambda: jnp.ones(_odd_one_out(3, 4), jnp.float32)),
+    "shape": (mpicoll.allreduce, lambda: jnp.ones(_odd_one_out(SHAPE, OTHER), jnp.float32)),
     "dtype": (mpicoll.allreduce,
-              lambda: jnp.ones(3, _odd_one_out(jnp.float32, jnp.int32))),
+              lambda: jnp.ones(SHAPE, _odd_one_out(jnp.float32, jnp.int32))),
     "root": (lambda x: mpicoll.bcast(x, root=_odd_one_out(0, 1)),
-             lambda: jnp.arange(3.0)),
+             lambda: jnp.ones(SHAPE, jnp.float32)),
     "op": (lambda x: mpicoll.allreduce(x, op=_odd_one_out("sum", "max")),
-           lambda: jnp.arange(3.0)),
-    "collective": (_odd_one_out(mpicoll.allreduce, mpicoll.allgather), lambda: jnp.arange(3.0)),
-    "pytree": (mpicoll.allreduce, lambda: _odd_one_out({"a": jnp.ones(2)},
-                                                      {"a": jnp.ones(2), "b": jnp.ones(2)})),
+           lambda: jnp.ones(SHAPE, jnp.int16)),
+    "collective": (_odd_one_out(mpicoll.allreduce, mpicoll.allgather),
+                   lambda: jnp.ones(SHAPE, jnp.uint16)),
+    "pytree": (mpicoll.allreduce, lambda: _odd_one_out(
+        {"a": jnp.ones(SHAPE, jnp.int8)},
+        {"a": jnp.ones(SHAPE, jnp.int8), "b": jnp.ones(SHAPE, jnp.int8)})),
     # A non-root rank passes only its own block: it rejects the call, root would
     # have run it; the rejection meets root's check, so both raise.
-    "scatter block": (mpicoll.scatter, lambda: _odd_one_out(jnp.ones((SIZE, 3)), jnp.ones(()))),
+    "scatter block": (mpicoll.scatter, lambda: _odd_one_out(jnp.ones((SIZE, *SHAPE), jnp.float32),
+                                                            jnp.ones(SHAPE, jnp.float32))),
 }
 
 
@@ -64,9 +73,9 @@ def test_mismatch_raises_on_every_rank_by_default(case, mode):
 
 def test_rejection_on_one_rank_names_it_on_every_rank():
     with pytest.raises(jax.errors.JaxRuntimeError, match=MISMATCH) as error:
-        mpicoll.scatter(_odd_one_out(jnp.ones((SIZE, 3), jnp.float32), jnp.ones((), jnp.float32)))
+        mpicoll.scatter(_odd_one_out(jnp.ones((SIZE, 5, 13), jnp.uint8), jnp.ones((), jnp.uint8)))
     text = str(error.value)
-    assert f"rank 0: scatter(float32[{SIZE},3], root=0)" in text, text
+    assert f"rank 0: scatter(uint8[{SIZE},5,13], root=0)" in text, text
     assert "rank 1: rejected: mpicoll.scatter: x must have shape (comm size, ...)" in text, text
     if RANK == 1:  # the rank that rejected it chains its own error
         assert isinstance(error.value.__cause__, ValueError)
@@ -87,7 +96,7 @@ def test_a_site_is_compared_on_its_first_run_only():
     step = jax.jit(lambda x: mpicoll.allreduce(mpicoll.allreduce(x) * 2))
     before = comparisons()
     for _ in range(3):
-        out = step(jnp.full(2, RANK + 1.0))
+        out = step(jnp.full(2, RANK + 1.0))  # a new program (a new function)
     first_run = comparisons() - before
     previous = mpicoll.set_check_mode("every-call")
     try:

@@ -452,11 +452,13 @@ ffi::Error MpiFailure(const Call& c, int rc) {
 ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
   const DeviceComm* entry = LookupComm(comm_slot, device);
   if (entry == nullptr) {
-    return ffi::Error::InvalidArgument(std::string("mpicoll.") + c.name +
-                                       ": no communicator registered for slot " +
-                                       std::to_string(comm_slot) + " on device " +
-                                       std::to_string(device) +
-                                       " (freed, or the program outlived its communicator)");
+    // Internal, as every error of a running collective: JAX raises JaxRuntimeError
+    // for it on every dispatch path (InvalidArgument becomes a ValueError on some).
+    return ffi::Error::Internal(std::string("mpicoll.") + c.name +
+                                ": no communicator registered for slot " +
+                                std::to_string(comm_slot) + " on device " +
+                                std::to_string(device) +
+                                " (freed, or the program outlived its communicator)");
   }
   c.comm = entry->comm;
   c.rank = entry->rank;
