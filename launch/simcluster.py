@@ -14,7 +14,7 @@ through its own remote launcher, as it would with ssh: the launcher program is
 launch/simcluster-agent.sh, which makes the host -- a UTS namespace (own
 hostname), a mount namespace (own /dev/shm) and a PID namespace -- instead of
 logging in.  /etc/hosts (bind-mounted in the cluster's mount namespace) maps
-every name to its own loopback address, 127.0.1.x.
+every name to its own loopback address, 127.0.2.x.
 
 So MPI sees several nodes: ranks of one host share memory, ranks of different
 hosts talk TCP over the namespace's loopback (Open MPI's TCP transports skip
@@ -57,8 +57,13 @@ def hostname(index):
 
 
 def address(index):
-    """Loopback address of host `index` (the login node is 127.0.1.250)."""
-    return f"127.0.1.{index + 1}"
+    """Loopback address of host `index` (the login node is 127.0.2.250).
+
+    Not 127.0.1.x: Debian gives 127.0.1.1 to the machine's own name, and MPICH's
+    hydra (5.0) then takes that host for the local one and starts its ranks
+    without the launcher, on the login node.
+    """
+    return f"127.0.2.{index + 1}"
 
 
 # ---------------------------------------------------------------------------
@@ -120,9 +125,13 @@ def mpiexec_command(flavor, mpiexec, ranks_per_host, command):
     hosts = ",".join(f"{hostname(i)}:{n}" for i, n in enumerate(ranks_per_host))
     total = str(sum(ranks_per_host))
     if flavor == "mpich":
-        # MPICH's TCP between hosts uses the interface that routes to the peer's
-        # name: its loopback here.  HEAVY_YIELD: more ranks than cores (see Makefile).
-        env = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")}
+        # Between hosts: libfabric's tcp provider on the loopback.  (The PyPI wheel's
+        # default netmod, UCX, finds loopback addresses of another host
+        # "unreachable": MPI_Init fails.)  HEAVY_YIELD: more ranks than cores, see
+        # the Makefile.  What the caller set wins.
+        env = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo",
+               "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+        env = {key: os.environ.get(key, value) for key, value in env.items()}
         argv = [mpiexec, "-hosts", hosts, "-n", total,
                 "-launcher", "ssh", "-launcher-exec", str(AGENT), *command]
         return argv, env
@@ -160,7 +169,7 @@ def parse_ranks_per_host(args):
 def write_state(state, counts):
     names = [hostname(i) for i in range(len(counts))]
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-             f"127.0.1.250\t{LOGIN}"]
+             f"127.0.2.250\t{LOGIN}"]
     lines += [f"{address(i)}\t{name}" for i, name in enumerate(names)]
     (state / "hosts").write_text("\n".join(lines) + "\n")
     (state / "hostnames").write_text("\n".join(names) + "\n")
@@ -245,7 +254,12 @@ def cmd_inside(args):
     # which passes it on to mpiexec (it ends its ranks).
     signal.signal(signal.SIGTERM, lambda signum, frame: job.terminate())
     try:
-        return job.wait(timeout=args.timeout)
+        status = job.wait(timeout=args.timeout)
+        killed = sorted(path.stem for path in state.glob("*.killed"))
+        if killed:  # say what happened to the job, beside what mpiexec said
+            print(f"simcluster: host(s) {', '.join(killed)} killed during the job (kill-host); "
+                  f"mpiexec exited with status {status}", file=sys.stderr, flush=True)
+        return status
     except subprocess.TimeoutExpired:
         print(f"simcluster: the job did not finish in {args.timeout:g} s; terminating it "
               f"(a hang?): {' '.join(args.command)}", file=sys.stderr, flush=True)
