@@ -6,6 +6,8 @@
 #   make demo                    examples/demo.py under mpiexec -n 2
 #   make test-multihost          tests/test_multihost.py: jobs on a cluster of hosts simulated
 #                                with namespaces (launch/simcluster.py); not in `make test`
+#   make bench-multihost         allreduce measurements at 2-4 simulated hosts, the fitted
+#                                cost model and its projection (benchmarks/allreduce_model.py)
 #   make test-all                `make test` for MPICH+3.11, Open MPI+3.11 and MPICH+3.12
 #   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
@@ -147,7 +149,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test test-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
+.PHONY: install test test-multihost bench-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -238,6 +240,12 @@ MULTIHOST_TESTS := tests/test_multihost.py
 test-multihost: install
 	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(TEST_TIMEOUT) \
 	    $(VPY) -m pytest -rs -m multihost $(PYTEST_ARGS) $(MULTIHOST_TESTS)
+
+# The allreduce cost model: measurements at 2-4 simulated hosts, then the fit, the
+# projection to 1,000 nodes and docs/allreduce-model.svg (benchmarks/allreduce_model.py).
+bench-multihost: install
+	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(BENCH_TIMEOUT) \
+	    bash benchmarks/multihost_allreduce.sh $(VPY)
 
 demo: install
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
