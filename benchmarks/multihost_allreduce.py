@@ -2,7 +2,7 @@
 
     launch/simcluster.py run --hosts 3 --ranks-per-host 2 -- python benchmarks/multihost_allreduce.py flat
     launch/simcluster.py run --hosts 3 --ranks-per-host 1 -- python benchmarks/multihost_allreduce.py devices
-    make bench-multihost        # both, at 1 to 4 hosts (benchmarks/multihost_allreduce.sh)
+    make bench-multihost        # both, at 2 to 4 hosts (benchmarks/multihost_allreduce.sh)
 
 flat      one device per rank, 2 ranks per host.  Ping-pong (mpi4py, numpy buffers)
           between ranks 0 and 1 (one host: shared memory) and ranks 0 and 2 (two hosts:
@@ -112,8 +112,6 @@ def measure_devices(report):
     participants = SIZE * local
     mesh = Mesh(np.array(jax.local_devices()), ("d",))
     sharding = NamedSharding(mesh, P("d"))
-    scale = np.float32(1 / participants)
-
     def mapped(step):
         return jax.shard_map(lambda v: step(v[0])[None], mesh=mesh, in_specs=P("d"),
                              out_specs=P("d"), check_vma=False)
@@ -154,7 +152,6 @@ def measure_devices(report):
             report[name] = rows
     finally:
         global_collectives.SPLIT_ALLREDUCE_BYTES = saved
-    del scale
 
 
 def main():
