@@ -291,6 +291,10 @@ $(FLOOR_LIB): benchmarks/mpi_floor.c $(STAMP_DEPS) $(MPICC_CHOICE)
 bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/bench.py --floor-lib $(FLOOR_LIB) $(BENCH_ARGS)
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/dispatch.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/check_mode.py
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

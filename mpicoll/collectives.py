@@ -38,6 +38,9 @@ class MPIEffect(_compat.Effect):
 
 mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
+# A jitted function with a collective dispatches on JAX's Python path, which
+# threads the effect's runtime token from program to program; see _compat.
+RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
 
 # Every lowered call gets its own site number, an attribute of its custom call:
 # by default the handler compares a site's call across ranks the first time it
