@@ -4,6 +4,10 @@
 #   make install                 venv + dependencies + editable mpicoll (quick when up to date)
 #   make test                    pytest serially, then under mpiexec -n 2, 3, 4
 #   make demo                    examples/demo.py under mpiexec -n 2
+#   make test-multihost          tests/test_multihost.py: jobs on a cluster of hosts simulated
+#                                with namespaces (launch/simcluster.py); not in `make test`
+#   make bench-multihost         allreduce measurements at 2-4 simulated hosts, the fitted
+#                                cost model and its projection (benchmarks/allreduce_model.py)
 #   make test-all                `make test` for MPICH+3.11, Open MPI+3.11 and MPICH+3.12
 #   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
@@ -145,7 +149,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
+.PHONY: install test test-multihost bench-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -204,11 +208,11 @@ test: install
 	    label="mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON)), $$n rank(s)]"; \
 	    logs='$(VENV)/test-logs'/n$$n; rm -rf "$$logs"; mkdir -p "$$logs"; \
 	    if [ "$$n" = 1 ]; then \
-	        cmd="$(VPY) -m pytest -rs $(PYTEST_ARGS) $(TESTS)"; \
+	        cmd="$(VPY) -m pytest -rs $(PYTEST_ARGS) --ignore=$(MULTIHOST_TESTS) $(TESTS)"; \
 	    else \
 	        extra=""; if [ "$$n" -gt "$$cores" ]; then extra="$(OVERSUBSCRIBED_ENV)"; fi; \
 	        cmd="env RANK_LOG_DIR=$$logs $$extra $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; \
-	        cmd="$$cmd sh tools/rank-output.sh $(VPY) -m pytest --with-mpi -q --color=no $(PYTEST_ARGS) $(TESTS)"; \
+	        cmd="$$cmd sh tools/rank-output.sh $(VPY) -m pytest --with-mpi -q --color=no $(PYTEST_ARGS) --ignore=$(MULTIHOST_TESTS) $(TESTS)"; \
 	    fi; \
 	    echo; echo "=== $$label: $$cmd"; \
 	    start=$$(date +%s); \
@@ -226,6 +230,22 @@ test: install
 	done; \
 	if [ -n "$$failed" ]; then echo "=== mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON))]: FAILED with rank counts:$$failed"; exit 1; fi; \
 	echo "=== mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON))]: all runs passed (rank counts $(TEST_RANKS))"
+
+# --- Many hosts -------------------------------------------------------------------
+# Serially: every test starts its own job on a simulated cluster (namespaces, see
+# launch/simcluster.py; they skip, saying why, where the machine refuses them).
+# -m multihost on the command line replaces any -m in PYTEST_ADDOPTS.
+MULTIHOST_TESTS := tests/test_multihost.py
+
+test-multihost: install
+	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(TEST_TIMEOUT) \
+	    $(VPY) -m pytest -rs -m multihost $(PYTEST_ARGS) $(MULTIHOST_TESTS)
+
+# The allreduce cost model: measurements at 2-4 simulated hosts, then the fit, the
+# projection to 1,000 nodes and docs/allreduce-model.svg (benchmarks/allreduce_model.py).
+bench-multihost: install
+	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(BENCH_TIMEOUT) \
+	    bash benchmarks/multihost_allreduce.sh $(VPY)
 
 demo: install
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
@@ -271,6 +291,10 @@ $(FLOOR_LIB): benchmarks/mpi_floor.c $(STAMP_DEPS) $(MPICC_CHOICE)
 bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/bench.py --floor-lib $(FLOOR_LIB) $(BENCH_ARGS)
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/dispatch.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/check_mode.py
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

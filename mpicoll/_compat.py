@@ -4,6 +4,8 @@ JAX's internals move between releases; when one of these breaks, this file is
 the only one to change.  Each helper states what it needs from JAX.
 """
 
+import inspect
+
 import jax
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
@@ -14,6 +16,20 @@ ShapedArray = _core.ShapedArray
 abstract_token = _core.abstract_token
 Effect = _effects.Effect
 register_lowering = _mlir.register_lowering
+_LOWERING_CACHE_OPT_OUT = "cacheable" in inspect.signature(_mlir.register_lowering).parameters
+
+
+def register_call_site_lowering(primitive, rule, platform):
+    """Register a lowering that runs for every call site, never shared between them.
+
+    JAX may lower identical equations of one module once and call that
+    function from each; mpicoll's lowering numbers each call site (failures.py:
+    first-run checks), so it opts out of that cache where JAX has one.
+    """
+    if _LOWERING_CACHE_OPT_OUT:
+        _mlir.register_lowering(primitive, rule, platform=platform, cacheable=False)
+    else:
+        _mlir.register_lowering(primitive, rule, platform=platform)
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
@@ -142,3 +158,57 @@ def check_vma_enabled():
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
     return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+
+
+from jax._src import mesh as _mesh  # noqa: E402
+
+
+def devices_running_this_trace():
+    """How many devices will run the program being traced: inside pmap/shard_map
+    the product of the manual mesh axes, else 1 (vmap axes are not devices)."""
+    mesh = _mesh.get_abstract_mesh()
+    count = 1
+    for name in getattr(mesh, "manual_axes", ()):
+        count *= mesh.shape[name]
+    return count
+
+
+def install_runtime_token_fast_path():
+    """Skip JAX's resharding of an ordered effect's runtime token when it already
+    lives on the one device a program runs on.
+
+    Every dispatch of a program with an ordered effect (every jitted function
+    with an mpicoll collective) asks JAX for the effect's token from the last
+    program.  JAX device_puts it to a NamedSharding over a Mesh it builds anew
+    each time, even when the token is already on that device: measured here,
+    two thirds of the ~0.9 ms a one-device dispatch of such a program took.
+    For one device the result is the token as it is, so it is returned
+    directly; everything else goes to JAX's own method.  Returns False (and
+    changes nothing) where JAX's token set does not look as expected.
+    """
+    token_set = getattr(_dispatch, "RuntimeTokenSet", None)
+    original = getattr(token_set, "get_token_input", None)
+    if original is None or getattr(original, "_mpicoll_fast_path", False):
+        return original is not None
+    if list(inspect.signature(original).parameters) != ["self", "eff", "devices"]:
+        return False
+
+    def get_token_input(self, eff, devices):
+        token = self.current_tokens.get(eff)
+        if type(token) is _core.Token and len(devices) == 1:
+            sharding = getattr(token._buf, "sharding", None)
+            if sharding is not None and sharding._device_assignment == (devices[0],):
+                return token
+        return original(self, eff, devices)
+
+    get_token_input._mpicoll_fast_path = True
+    get_token_input.jax_original = original  # for benchmarks/dispatch.py's comparison
+    token_set.get_token_input = get_token_input
+    return True
+
+
+def runtime_token_methods():
+    """(JAX's get_token_input, mpicoll's fast one or None): for benchmarks."""
+    current = _dispatch.RuntimeTokenSet.get_token_input
+    return getattr(current, "jax_original", current), (
+        current if getattr(current, "_mpicoll_fast_path", False) else None)

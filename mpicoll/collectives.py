@@ -18,6 +18,7 @@ that is then used in a rank-dependent way (its cotangents are summed).
 
 import dataclasses
 import functools
+import itertools
 import operator
 from typing import Callable
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _dtypes_and_ops, _native, comm as comm_layer
+from . import _compat, _dtypes_and_ops, _native, comm as comm_layer, failures
 
 
 class MPIEffect(_compat.Effect):
@@ -38,6 +39,14 @@ class MPIEffect(_compat.Effect):
 
 mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
+# A jitted function with a collective dispatches on JAX's Python path, which
+# threads the effect's runtime token from program to program; see _compat.
+RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
+
+# Every lowered call gets its own site number, an attribute of its custom call:
+# by default the handler compares a site's call across ranks the first time it
+# runs (failures.py), which is how it knows a program is new.
+_call_sites = itertools.count(1)
 
 _SUM = _dtypes_and_ops.OP_CODES["sum"]
 _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
@@ -255,8 +264,8 @@ def _backend_present(platform):
 
 def _register_lowerings(primitive, rule):
     for platform in LOWERING_PLATFORMS:
-        _compat.register_lowering(primitive, _lowering_for(primitive, platform, rule),
-                                  platform=platform)
+        _compat.register_call_site_lowering(
+            primitive, _lowering_for(primitive, platform, rule), platform=platform)
 
 
 def _lowering_for(primitive, platform, rule):
@@ -312,6 +321,7 @@ def _make_primitive(spec):
         # ffi_args: the vector and point-to-point families' ints (counts, peers).
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
+                          site=np.int64(next(_call_sites)),
                           args=np.asarray(ffi_args, np.int64).reshape(-1))
         if ordered:
             _compat.set_token_out(ctx, mpi_effect, token)
@@ -391,7 +401,8 @@ def _make_fused_primitive(spec):
         call = jax.ffi.ffi_lowering(primitive.name, has_side_effect=True,
                                     operand_output_aliases=aliases)
         token, *outs = call(_compat.with_token_avals(ctx), token, *xs,
-                            comm=np.int64(comm), root=np.int64(root), op=np.int64(op))
+                            comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
+                            site=np.int64(next(_call_sites)))
         if ordered:
             _compat.set_token_out(ctx, mpi_effect, token)
         return outs
@@ -492,13 +503,60 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
 
     ordered=False only for a program that runs synchronously with a single MPI
     call in it (see _collective), where no token is needed to order it.
+    Point-to-point rejections are not compared across the communicator: only
+    two of its ranks take part in a message.
     """
+    agree = _agreed if spec.family != "peer" else _validate_alone
     if _compat.at_top_level():
-        x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
-        if isinstance(x, jax.Array):
-            return _eager(spec, x, comm, root, op, transpose_sums, static)
-    x, params = _validated_params(spec, x, comm, root, op, transpose_sums, static)
+        program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
+                           transpose_sums, static)
+        jax.effects_barrier()  # pending jitted collectives first: they come earlier in order
+        return program(x).block_until_ready()
+    x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
+                      transpose_sums, static)
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
+
+
+# ---------------------------------------------------------------------------
+# Rejections every rank agrees on.  Bad arguments raise before any data moves,
+# and usually identically on every rank (the same code, the same shapes).  But
+# a rejection can depend on this rank's own data (e.g. scatter's x on a
+# non-root rank), and then the other ranks would run the call and wait for
+# this one.  So a rank that rejects a call first compares notes: its rejection
+# takes the place of the call's fingerprint on the call's communicator, where
+# the other ranks' check of a new call (failures.py) meets it.  If every rank
+# rejected the call alike, the error is raised as it is; if not, every rank
+# raises the mismatch (JaxRuntimeError, as a mismatch found while running).
+
+def _agreed(comm, caller, validate, *args):
+    """validate(*args), whose errors every rank agrees on (see above)."""
+    try:
+        return validate(*args)
+    except (TypeError, ValueError) as error:
+        _compare_rejection(comm, caller, error)
+        raise
+
+
+def _validate_alone(comm, caller, validate, *args):
+    """validate(*args) for point-to-point: a rejection is this rank's alone."""
+    return validate(*args)
+
+
+def _compare_rejection(comm, caller, error):
+    if failures.check_mode() == "off":  # nobody checks: the other ranks are not listening
+        return
+    try:
+        info = comm_layer.resolve(comm, caller)
+    except (TypeError, ValueError):  # no communicator to compare on (identical on every rank)
+        return
+    jax.effects_barrier()  # this rank's pending collectives are not running meanwhile
+    # The program would run on one device, or on each local device under
+    # pmap/shard_map, each talking on its own communicator.
+    devices = 1 if _compat.at_top_level() else _compat.devices_running_this_trace()
+    for device in range(min(devices, len(info.per_device))):
+        mismatch = _native.extension.compare_call(info.slot, device, f"rejected: {error}")
+        if mismatch:
+            raise jax.errors.JaxRuntimeError(mismatch) from error
 
 
 # Eager calls: one compiled program per (collective, communicator slot, root, op,
@@ -509,14 +567,16 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
 _EAGER_PROGRAMS = {}
 
 
-def _eager(spec, x, comm, root, op, transpose_sums, static=()):
-    """A call outside any trace: one cached program, run synchronously.
+def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
+    """The program for a call outside any trace (cached), and x as an array.
 
-    Completing the call before returning keeps MPI order across eager calls
-    without JAX's ordered-effect tokens, so JAX's C++ dispatch fast path
-    applies (microseconds instead of the Python path).  Jitted work that is
-    still pending finishes first, so it cannot be overtaken.
+    The caller runs it synchronously: completing the call before returning
+    keeps MPI order across eager calls without JAX's ordered-effect tokens, so
+    JAX's C++ dispatch fast path applies (microseconds instead of the Python
+    path).  Jitted work that is still pending finishes first (effects_barrier),
+    so it cannot be overtaken.
     """
+    x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
     slot = None if comm is None else comm_layer.resolve(comm, spec.name).slot
     cacheable = type(root) is int and (op is None or type(op) is str)
     key = ((spec.name, slot, root, op, transpose_sums, x.dtype, x.shape, static) if cacheable
@@ -527,8 +587,7 @@ def _eager(spec, x, comm, root, op, transpose_sums, static=()):
         program = _eager_program(spec.name, tuple(params.items()))
         if cacheable:
             _EAGER_PROGRAMS[key] = program
-    jax.effects_barrier()
-    return program(x).block_until_ready()
+    return program, x
 
 
 @functools.lru_cache(maxsize=None)
@@ -558,8 +617,10 @@ def _collective(spec, x, **kwargs):
         return _bind(spec, leaves[0], **kwargs)
     if not leaves:
         return x
-    leaves = _each_leaf(x, leaves, lambda leaf: _as_array(leaf, spec.name))
-    _check_leaves(spec, x, leaves, **kwargs)  # every leaf, before any MPI call
+    leaves = _agreed(kwargs["comm"], spec.name, _each_leaf, x, leaves,
+                     lambda leaf: _as_array(leaf, spec.name))
+    _agreed(kwargs["comm"], spec.name, functools.partial(_check_leaves, **kwargs), spec, x,
+            leaves)  # every leaf, before any MPI call
     kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
     if spec.reduces:
         kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
@@ -657,7 +718,8 @@ barrier_p.def_effectful_abstract_eval(lambda *, comm: ([], {mpi_effect}))
 def _barrier_lowering(ctx, *, comm):
     token = _compat.token_in(ctx, mpi_effect)
     (token,) = jax.ffi.ffi_lowering("mpicoll_barrier", has_side_effect=True)(
-        _compat.with_token_avals(ctx), token, comm=np.int64(comm))
+        _compat.with_token_avals(ctx), token, comm=np.int64(comm),
+        site=np.int64(next(_call_sites)))
     _compat.set_token_out(ctx, mpi_effect, token)
     return []
 

@@ -4,9 +4,12 @@
   traceback and aborts the whole job (MPI_Abort), instead of leaving the other
   ranks waiting in a collective until the wall-clock limit.  On by default when
   the job has more than one rank; MPICOLL_ABORT_ON_ERROR=0 turns it off.
-* Check mode (MPICOLL_CHECK=1 or set_check_mode(True)): before each collective
-  the ranks compare a fingerprint of (op, dtype, shape, root, reduction,
-  communicator); a mismatch raises on every rank, listing what each rank called.
+* Checks across ranks: before a collective runs, the ranks compare a
+  fingerprint of (op, dtype, shape, root, reduction, communicator); a mismatch
+  raises jax.errors.JaxRuntimeError on every rank, listing what each rank
+  called.  By default ("first-run") each call site of a compiled program is
+  checked the first time it runs, then never again; MPICOLL_CHECK=1 ("every
+  call") checks every call; MPICOLL_CHECK=0 ("off") none.
 * Timeout (MPICOLL_TIMEOUT=seconds or set_timeout(seconds)): a collective not
   completed in time reports the op, rank and communicator and aborts the job.
 """
@@ -29,9 +32,30 @@ def _env_flag(name, default):
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
-def set_check_mode(enabled=True):
-    """Compare each collective's fingerprint across ranks before running it."""
-    extension.set_check_mode(bool(enabled))
+CHECK_MODES = ("off", "first-run", "every-call")  # the handler's codes 0, 1, 2
+_check_mode = "first-run"
+
+
+def set_check_mode(mode=True):
+    """Set which calls compare their fingerprint across ranks; returns the previous mode.
+
+    mode: "every-call" (or True), "first-run" (the default: each call site the
+    first time it runs) or "off" (or False).  Set it the same on every rank.
+    """
+    global _check_mode
+    if mode is True or mode is False:
+        mode = "every-call" if mode else "off"
+    if mode not in CHECK_MODES:
+        raise ValueError(f"mpicoll.set_check_mode: mode must be one of {CHECK_MODES} or a "
+                         f"bool, got {mode!r}")
+    extension.set_check_mode(CHECK_MODES.index(mode))
+    previous, _check_mode = _check_mode, mode
+    return previous
+
+
+def check_mode():
+    """The current check mode: "off", "first-run" or "every-call"."""
+    return _check_mode
 
 
 def clear_error():
@@ -85,7 +109,13 @@ def install_abort_on_error():
 def configure_from_environment():
     if _env_flag("MPICOLL_ABORT_ON_ERROR", MPI.COMM_WORLD.Get_size() > 1):
         install_abort_on_error()
-    set_check_mode(_env_flag("MPICOLL_CHECK", False))
+    check = os.environ.get("MPICOLL_CHECK", "").strip().lower()
+    if check in ("", "first", "first-run"):
+        set_check_mode("first-run")
+    elif check in ("every-call", "all"):
+        set_check_mode("every-call")
+    else:
+        set_check_mode(_env_flag("MPICOLL_CHECK", False))
     timeout = os.environ.get("MPICOLL_TIMEOUT", "").strip()
     if timeout:
         try:

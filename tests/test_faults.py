@@ -143,9 +143,12 @@ def test_exception_without_abort_on_error_ends_by_timeout():
 # Check mode: mismatched calls raise a clear error on every rank.
 
 @serial_only
+@pytest.mark.parametrize("check_mode", ["every-call", "first-run"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_check_mode_reports_mismatched_calls_on_every_rank(mode):
-    run = launch(PROGRAM, "check", mode)  # the program turns check mode on
+def test_check_mode_reports_mismatched_calls_on_every_rank(mode, check_mode):
+    """Every rank raises JaxRuntimeError listing each rank's call, the first time
+    and again when JAX runs its cached program (first-run is the default)."""
+    run = launch(PROGRAM, "check", mode, check_mode)
     assert run.returncode == 0, run.summary()
     events = _events(run)
     for rank in (0, 1):
@@ -153,13 +156,15 @@ def test_check_mode_reports_mismatched_calls_on_every_rank(mode):
             "shape": ("allreduce(float32[4], op=sum)", "allreduce(float32[5], op=sum)"),
             "op": ("allreduce(float32[4], op=sum)", "bcast(float32[4], root=0)"),
         }.items():
-            line = re.search(rf"^rank {rank} {case} caught (.*)$", run.log, re.M)
-            assert line, run.summary()
-            text = line.group(1)
-            assert "mpicoll check mode: ranks called different collectives on " \
-                   "mpicoll:MPI_COMM_WORLD:device0" in text, text
-            assert f"(this is rank {rank})" in text, text
-            assert f"rank 0: {mine} | " in text and text.endswith(f"rank 1: {theirs}"), text
+            for attempt in ("", " again"):
+                line = re.search(rf"^rank {rank} {case}{attempt} caught (.*)$", run.log, re.M)
+                assert line, run.summary()
+                text = line.group(1)
+                assert text.startswith("JaxRuntimeError: "), text
+                assert "mpicoll: ranks called different collectives on " \
+                       "mpicoll:MPI_COMM_WORLD:device0" in text, text
+                assert f"(this is rank {rank})" in text, text
+                assert f"rank 0: {mine} | " in text and text.endswith(f"rank 1: {theirs}"), text
             assert f"rank {rank} in step after {case}: True" in run.log, run.summary()
     # Each mismatch was reported within FAIL_FAST s of the call (the next case's
     # event, or the end of the job, follows the report).

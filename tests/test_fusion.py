@@ -139,7 +139,7 @@ def test_a_fused_call_with_an_integer_leaf_has_zero_tangent(small_fusion_limits)
 @pytest.mark.skipif(SIZE < 2, reason="a mismatch needs two ranks; the matching case runs below")
 def test_check_mode_sees_a_different_tree_on_one_rank():
     """Rank 0 fuses 2 leaves, the others 3: every rank raises, naming each rank's call."""
-    mpicoll.set_check_mode(True)
+    previous = mpicoll.set_check_mode(True)
     try:
         leaves = [jnp.ones(4, jnp.float32)] * (2 if RANK == 0 else 3)
         with pytest.raises(Exception, match="ranks called different collectives") as error:
@@ -150,17 +150,17 @@ def test_check_mode_sees_a_different_tree_on_one_rank():
         out = mpicoll.allreduce([jnp.ones(2, jnp.float32), jnp.full(3, 2.0, jnp.float32)])
         np.testing.assert_array_equal(np.asarray(out[1]), np.full(3, 2.0 * SIZE, np.float32))
     finally:
-        mpicoll.set_check_mode(False)
+        mpicoll.set_check_mode(previous)
 
 
 @pytest.mark.parametrize("name", STACKED_INPUT + ("gather", "allgather"))
 def test_check_mode_passes_matching_fused_calls(name):
     stacks = [np.stack([rank_data(input_shape(name, (2, 3)), np.int32, r, 80 + i)
                         for r in range(SIZE)]) for i in range(3)]
-    mpicoll.set_check_mode(True)
+    previous = mpicoll.set_check_mode(True)
     try:
         out = call(name, [jnp.asarray(stack[RANK]) for stack in stacks], 0)
     finally:
-        mpicoll.set_check_mode(False)
+        mpicoll.set_check_mode(previous)
     for stack, leaf in zip(stacks, out):
         assert_same(leaf, expected(name, stack, root=0))

@@ -321,3 +321,20 @@ def test_explicit_comm_world_in_program_order_with_user_calls():
         assert out[4 * step + 1] == step * 10 + step % SIZE
         assert_same(out[4 * step + 2], x[(step + 1) % SIZE])
         assert out[4 * step + 3] == list(range(SIZE))
+
+
+def test_many_programs_in_a_python_loop_keep_their_order():
+    """Programs dispatched back to back, each taking the last one's runtime token
+    (mpicoll passes a token already on the device straight through, _compat)."""
+    assert mpicoll.collectives.RUNTIME_TOKEN_FAST_PATH, "JAX's runtime token set changed"
+    add = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
+    gather = jax.jit(lambda x: mpicoll.allgather(x)[:, 0])
+    x = jnp.full(3, float(RANK))
+    stacked = []
+    for _ in range(12):
+        x = add(x)
+        stacked.append(gather(x))  # independent of the next add: only the token orders them
+    value = float(sum(range(SIZE)))  # x after the first allreduce, before the + 1
+    for step in range(12):
+        value = (SIZE * value if step else value) + 1
+        np.testing.assert_array_equal(np.asarray(stacked[step]), np.full(SIZE, value))

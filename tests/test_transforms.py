@@ -348,8 +348,8 @@ def test_data_parallel_training_matches_single_process(style):
             grads = jax.tree.map(lambda g: mpicoll.allreduce(g) / SIZE, grads)
             return jax.tree.map(lambda p, g: p - lr * g, params, grads)
     else:
-        def global_loss(params):
-            local = _mlp_loss(jax.tree.map(mpicoll.pvary, params), x, y)
+        def global_loss(params):  # the README's snippet, as written there
+            local = _mlp_loss(mpicoll.pvary(params), x, y)
             return mpicoll.allreduce(local) / SIZE
 
         @jax.jit

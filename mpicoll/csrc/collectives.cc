@@ -33,9 +33,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <unordered_set>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -43,8 +45,6 @@
 #ifdef MPICOLL_CUDA  // GPU support (cuda_memory.h); the CUDA driver is loaded at run time
 #include <cuda.h>
 #include <dlfcn.h>
-
-#include <mutex>
 #endif
 
 namespace ffi = xla::ffi;
@@ -310,6 +310,7 @@ struct Call {
   char* out;
   size_t in_count;
   size_t out_count;
+  int64_t site;  // the call site in its program (for the first-run check)
   ffi::DataType dtype;
   // The vector and point-to-point families' static arguments (counts, peers).
   const int64_t* args;
@@ -494,11 +495,13 @@ ffi::Error MpiFailure(const Call& c, int rc) {
 ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
   const DeviceComm* entry = LookupComm(comm_slot, device);
   if (entry == nullptr) {
-    return ffi::Error::InvalidArgument(std::string("mpicoll.") + c.name +
-                                       ": no communicator registered for slot " +
-                                       std::to_string(comm_slot) + " on device " +
-                                       std::to_string(device) +
-                                       " (freed, or the program outlived its communicator)");
+    // Internal, as every error of a running collective: JAX raises JaxRuntimeError
+    // for it on every dispatch path (InvalidArgument becomes a ValueError on some).
+    return ffi::Error::Internal(std::string("mpicoll.") + c.name +
+                                ": no communicator registered for slot " +
+                                std::to_string(comm_slot) + " on device " +
+                                std::to_string(device) +
+                                " (freed, or the program outlived its communicator)");
   }
   c.comm = entry->comm;
   c.rank = entry->rank;
@@ -507,11 +510,43 @@ ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
 }
 
 // ---------------------------------------------------------------------------
-// Check mode: before each collective the ranks compare a fingerprint of what
-// they are about to call (op, dtype, shape, root, reduction, communicator).  On
-// a mismatch every rank gets an error listing what each rank called, instead
-// of a hang or garbage.  Off by default (it costs one small allreduce).
-std::atomic<bool> check_mode{false};
+// Checks: the ranks compare a fingerprint of what they are about to call (op,
+// dtype, shape, root, reduction) on the call's communicator.  On a mismatch
+// every rank gets an error listing what each rank called, instead of a hang,
+// an MPI abort or garbage.  It costs one small allreduce, so by default
+// (kCheckFirstRun) each call site of a compiled program is checked the first
+// time it runs on each device, and never again; kCheckEveryCall checks every
+// call (MPICOLL_CHECK=1).
+enum CheckMode : int { kCheckOff = 0, kCheckFirstRun = 1, kCheckEveryCall = 2 };
+std::atomic<int> check_mode{kCheckFirstRun};
+
+// Call sites already checked, per local device (each device runs its own copy
+// of a program, on its own communicator).  Sites are numbered by Python when
+// it lowers a call; 0 is a call with no site (always checked in first-run mode).
+struct CheckedSites {
+  std::mutex mutex;
+  std::unordered_set<int64_t> sites;
+};
+CheckedSites checked_sites[kMaxLocalDevices];
+
+bool NeedsCheck(const Call& c, int32_t device) {
+  const int mode = check_mode.load(std::memory_order_relaxed);
+  if (mode != kCheckFirstRun) return mode == kCheckEveryCall;
+  if (c.size == 1) return false;  // nobody to disagree with
+  if (c.site == 0) return true;
+  CheckedSites& checked = checked_sites[device];
+  std::lock_guard<std::mutex> lock(checked.mutex);
+  return checked.sites.count(c.site) == 0;
+}
+
+// Only once the ranks agreed: a failed check fails on every rank, so every
+// rank checks that site again next time.
+void MarkChecked(const Call& c, int32_t device) {
+  if (check_mode.load(std::memory_order_relaxed) != kCheckFirstRun || c.site == 0) return;
+  CheckedSites& checked = checked_sites[device];
+  std::lock_guard<std::mutex> lock(checked.mutex);
+  checked.sites.insert(c.site);
+}
 
 const char* DtypeName(ffi::DataType t) {
   switch (t) {
@@ -545,27 +580,45 @@ std::string CommName(MPI_Comm comm) {
 }
 
 constexpr int kDescriptionBytes = 256;
+// Every mismatch message starts with this (Python looks for it, and users may).
+constexpr const char* kMismatchPrefix = "mpicoll: ranks called different collectives";
 
-// Compares `description` across the ranks of c.comm; an error lists them all.
-ffi::Error CheckSameCall(const Call& c, const std::string& description) {
+// Compares `description` across the ranks of `comm`: "" if every rank has
+// the same one, else a message listing every rank's.  Python uses it too, for
+// a call that one rank rejects while another may be running it.
+std::atomic<int64_t> comparisons_made{0};  // by this process (tests and benchmarks read it)
+
+std::string CompareAcrossRanks(MPI_Comm comm, int rank, int size, const std::string& description) {
+  comparisons_made.fetch_add(1, std::memory_order_relaxed);
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
   for (unsigned char ch : description) hash = (hash ^ ch) * 1099511628211ull;
   long long value = static_cast<long long>(hash >> 2);  // keep -value representable
   long long extremes[2] = {value, -value};
-  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, c.comm);
-  if (rc != MPI_SUCCESS) return ffi::Error::Internal("mpicoll check mode: MPI_Allreduce failed");
-  if (extremes[0] == -extremes[1]) return ffi::Error::Success();
-  std::string all(static_cast<size_t>(kDescriptionBytes) * c.size, '\0');
+  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, comm);
+  if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allreduce)";
+  if (extremes[0] == -extremes[1]) return "";
+  std::string all(static_cast<size_t>(kDescriptionBytes) * size, '\0');
   char mine[kDescriptionBytes] = {};
   std::strncpy(mine, description.c_str(), kDescriptionBytes - 1);
   rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes, MPI_CHAR,
-                     c.comm);
-  std::string message = std::string("mpicoll check mode: ranks called different collectives on ") +
-                        CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "):";
-  for (int r = 0; rc == MPI_SUCCESS && r < c.size; ++r) {
+                     comm);
+  std::string message = std::string(kMismatchPrefix) + " on " + CommName(comm) +
+                        " (this is rank " + std::to_string(rank) + "):";
+  for (int r = 0; rc == MPI_SUCCESS && r < size; ++r) {
     message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
   }
-  return ffi::Error::InvalidArgument(message);
+  return message;
+}
+
+// The check before a call (see CheckMode).  Internal, like every error a
+// running collective returns, so that JAX raises one type (JaxRuntimeError)
+// whichever path dispatched the program.
+ffi::Error CheckSameCall(const Call& c, int32_t device, const std::string& description) {
+  if (!NeedsCheck(c, device)) return ffi::Error::Success();
+  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, description);
+  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
+  MarkChecked(c, device);
+  return ffi::Error::Success();
 }
 
 std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const int64_t> dims,
@@ -813,9 +866,12 @@ struct Peers {
         send_tag(static_cast<int>(c.args[2])), recv_tag(static_cast<int>(c.args[3])) {}
 };
 
-// Check mode for point-to-point: a communicator-wide fingerprint does not apply
-// (only two ranks take part), so each message is preceded by a header with the
-// sender's dtype and element count, which the receiver compares with its own.
+// Checks for point-to-point: a communicator-wide fingerprint does not apply
+// (only two ranks take part), so with every-call checks each message is
+// preceded by a header with the sender's dtype and element count, which the
+// receiver compares with its own.  (First-run checks leave messages alone: a
+// sender's and a receiver's call sites need not run equally often, so they
+// could not agree on which messages carry a header.)
 struct Header {
   int64_t bytes;
   char description[120];
@@ -873,7 +929,7 @@ int SendWhole(const Call& c, const Chunk&) {
   if (outgoing.rc != MPI_SUCCESS) return outgoing.rc;
   c.status[0] = p.dest;
   c.status[1] = p.send_tag;
-  if (check_mode.load(std::memory_order_relaxed)) {
+  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
     Header mine = HeaderFor(c, c.in_count);
     int rc = MPI_Send(&mine, sizeof(Header), MPI_BYTE, p.dest, p.send_tag, c.comm);
     if (rc != MPI_SUCCESS) return rc;
@@ -888,7 +944,7 @@ int ReceiveWhole(const Call& c, const Message* outgoing) {
   if (incoming.rc != MPI_SUCCESS) return incoming.rc;
   int source = p.source, tag = p.recv_tag;
   MPI_Status status;
-  if (check_mode.load(std::memory_order_relaxed)) {
+  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
     // The header fixes the source and tag, so that the data that follows comes
     // from the same message pair even with ANY_SOURCE/ANY_TAG.
     const Header mine = HeaderFor(c, c.out_count), sent = HeaderFor(c, c.in_count);
@@ -1016,28 +1072,33 @@ bool OutputIsZeros(const Call& c) {
   }
 }
 
-// Check mode: what every rank compares before the call.  Point-to-point ops
-// check each message instead (their bodies), and alltoallv also compares its
-// counts pairwise.
+// The check before a call (see CheckMode and CheckSameCall).  Point-to-point
+// ops take no part (only two ranks of the communicator are in a message):
+// with every-call checks their bodies check each message instead.  alltoallv
+// also compares its counts pairwise.
 template <typename Op, typename Describe>
-ffi::Error CheckCall(const Call& c, Describe&& describe) {
+ffi::Error CheckCall(const Call& c, int32_t device, Describe&& describe) {
   if constexpr (Op::kFamily == kPeer) return ffi::Error::Success();
-  if (ffi::Error err = CheckSameCall(c, describe()); err.failure()) return err;
+  if (!NeedsCheck(c, device)) return ffi::Error::Success();
+  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, describe());
+  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
   if constexpr (Op::kFamily == kVectorPairs) {
     if (int rc = VerifyPairCounts(c); rc == kCheckFailed) {
-      return ffi::Error::InvalidArgument(c.failure);
+      return ffi::Error::Internal(c.failure);
     } else if (rc != MPI_SUCCESS) {
       return MpiFailure(c, rc);
     }
   }
+  MarkChecked(c, device);
   return ffi::Error::Success();
 }
 
 // The call's communicator, root, op and MPI types, from the attributes and dtype.
 template <typename Op>
 ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int64_t op,
-                   ffi::DataType dtype) {
+                   int64_t site, ffi::DataType dtype) {
   c.name = Op::kName;
+  c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
   c.root = static_cast<int>(root);
   c.op = op;
@@ -1130,16 +1191,14 @@ int RunCollective(Call& c, Memory& memory) {
 template <typename Op, typename Memory, typename Describe>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
   InFlightScope watched(c, device);
-  if (check_mode.load(std::memory_order_relaxed)) {
-    if (ffi::Error err = CheckCall<Op>(c, describe); err.failure()) return err;
-  }
+  if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
   // Rank blocks have the same shapes on every rank, so an empty array skips MPI
   // on every rank (counts and messages may be empty on one rank only).
   if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {
     return ffi::Error::Success();
   }
   const int rc = RunCollective<Op>(c, memory);
-  if (rc == kCheckFailed) return ffi::Error::InvalidArgument(c.failure);
+  if (rc == kCheckFailed) return ffi::Error::Internal(c.failure);
   if (rc == kTransportFailed) {
     return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on rank " +
                                 std::to_string(c.rank) + ": " + memory.error);
@@ -1151,8 +1210,8 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe)
 template <typename Op>
 ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out,
                         int32_t device, int64_t comm_slot, int64_t root, int64_t op,
-                        ffi::Span<const int64_t> args) {
-  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, x.element_type());
+                        int64_t site, ffi::Span<const int64_t> args) {
+  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, site, x.element_type());
       err.failure()) {
     return err;
   }
@@ -1212,9 +1271,9 @@ void RecordStatus(const Call& c, int32_t device) {
 template <typename Op>
 ffi::Error CpuEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
-                    int64_t root, int64_t op, ffi::Span<const int64_t> args) {
+                    int64_t root, int64_t op, int64_t site, ffi::Span<const int64_t> args) {
   Call c{};
-  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, args);
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site, args);
       err.failure()) {
     return err;
   }
@@ -1252,7 +1311,7 @@ struct FusedArrays {
 template <typename Op>
 ffi::Error PrepareFused(Call& c, FusedArrays& arrays, ffi::RemainingArgs& xs,
                         ffi::RemainingRets& outs, int32_t device, int64_t comm_slot,
-                        int64_t root, int64_t op) {
+                        int64_t root, int64_t op, int64_t site) {
   const size_t n = xs.size();
   auto first = xs.get<ffi::AnyBuffer>(0);
   if (n == 0 || outs.size() != n || !first.has_value()) {
@@ -1260,7 +1319,7 @@ ffi::Error PrepareFused(Call& c, FusedArrays& arrays, ffi::RemainingArgs& xs,
                                        ": a fused call needs n >= 1 arrays and n results");
   }
   const ffi::DataType dtype = first->element_type();
-  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, dtype); err.failure()) {
+  if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, site, dtype); err.failure()) {
     return err;
   }
   arrays.in_rows = RowsIn<Op>(c);
@@ -1323,10 +1382,10 @@ int HostCopy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, s
 template <typename Op>
 ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
                          ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
-                         int64_t op) {
+                         int64_t op, int64_t site) {
   Call c{};
   thread_local FusedArrays arrays;
-  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op);
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
       err.failure()) {
     return err;
   }
@@ -1351,14 +1410,14 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
   return ffi::Error::Success();
 }
 
-ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot) {
+ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
+                        int64_t site) {
   Call c{};
   c.name = "barrier";
+  c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
   InFlightScope watched(c, device);
-  if (check_mode.load(std::memory_order_relaxed)) {
-    if (ffi::Error err = CheckSameCall(c, "barrier()"); err.failure()) return err;
-  }
+  if (ffi::Error err = CheckSameCall(c, device, "barrier()"); err.failure()) return err;
   if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }
@@ -1377,6 +1436,7 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
       .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")                                                         \
       .Attr<ffi::Span<const int64_t>>("args")
 #define MPICOLL_FUSED_BINDING(Extra)                                                   \
   ffi::Ffi::Bind()                                                                     \
@@ -1387,7 +1447,8 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
       .Ctx<ffi::DeviceOrdinal>()                                                       \
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
-      .Attr<int64_t>("op")
+      .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")
 #define MPICOLL_NO_CONTEXT
 
 #define MPICOLL_CPU_HANDLERS(Type, ...)                                                   \
@@ -1404,7 +1465,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                                   .Arg<ffi::Token>()
                                   .Ret<ffi::Token>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm"));
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site"));
 
 #define MPICOLL_STATUS_BINDING(Extra)                                                  \
   ffi::Ffi::Bind()                                                                     \
@@ -1637,10 +1699,36 @@ PyObject* ReplacedSums(PyObject*, PyObject*) {
 }
 
 PyObject* SetCheckMode(PyObject*, PyObject* arg) {
-  int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  check_mode.store(on != 0);
+  long mode = PyLong_AsLong(arg);
+  if (mode == -1 && PyErr_Occurred()) return nullptr;
+  if (mode < kCheckOff || mode > kCheckEveryCall) {
+    PyErr_SetString(PyExc_ValueError, "check mode must be 0 (off), 1 (first run) or 2 (every call)");
+    return nullptr;
+  }
+  check_mode.store(static_cast<int>(mode));
   Py_RETURN_NONE;
+}
+
+PyObject* ComparisonsMade(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(comparisons_made.load());
+}
+
+// (slot, device, description) -> "" or the mismatch message (see CompareAcrossRanks).
+PyObject* CompareCall(PyObject*, PyObject* args) {
+  long long slot;
+  int device;
+  const char* description;
+  if (!PyArg_ParseTuple(args, "Lis", &slot, &device, &description)) return nullptr;
+  const DeviceComm* entry = LookupComm(slot, device);
+  if (entry == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll: no communicator registered for this slot");
+    return nullptr;
+  }
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS
+  message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  Py_END_ALLOW_THREADS
+  return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
 
 PyObject* SetTimeout(PyObject*, PyObject* arg) {
@@ -1658,7 +1746,12 @@ PyObject* PyAbortJob(PyObject*, PyObject* arg) {
 }
 
 PyMethodDef methods[] = {
-    {"set_check_mode", SetCheckMode, METH_O, "Compare a fingerprint of each call across ranks."},
+    {"set_check_mode", SetCheckMode, METH_O,
+     "Compare call fingerprints across ranks: 0 never, 1 each call site's first run, 2 always."},
+    {"comparisons_made", ComparisonsMade, METH_NOARGS,
+     "How many times this process has compared a call across ranks."},
+    {"compare_call", CompareCall, METH_VARARGS,
+     "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
     {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"registrations", Registrations, METH_VARARGS,

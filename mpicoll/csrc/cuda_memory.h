@@ -372,9 +372,10 @@ ffi::Error CudaExecute(Call& c, const ffi::AnyBuffer& x, CUstream stream, int32_
 template <typename Op>
 ffi::Error CudaEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> out, CUstream stream, int32_t device,
-                     int64_t comm_slot, int64_t root, int64_t op, ffi::Span<const int64_t> args) {
+                     int64_t comm_slot, int64_t root, int64_t op, int64_t site,
+                     ffi::Span<const int64_t> args) {
   Call c{};
-  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, args);
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site, args);
       err.failure()) {
     return err;
   }
@@ -409,10 +410,10 @@ ffi::Error CudaStatusEntry(ffi::Token, ffi::Result<ffi::Token>,
 template <typename Op>
 ffi::Error CudaFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
                           ffi::RemainingRets outs, CUstream stream, int32_t device,
-                          int64_t comm_slot, int64_t root, int64_t op) {
+                          int64_t comm_slot, int64_t root, int64_t op, int64_t site) {
   Call c{};
   thread_local FusedArrays arrays;
-  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op);
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
       err.failure()) {
     return err;
   }

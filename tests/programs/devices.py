@@ -197,6 +197,21 @@ check("shard_map grad global reduce_scatter",
       shard_grad(lambda v, w: jnp.sum(jnp.sin(lax.psum_scatter(v, "i")) * w.sum()),
                  GLOBAL_MESH)(B, W[:, 0])[MINE])
 
+# A parameter replicated over every participant (in_specs P()) used with each
+# participant's data: JAX sums the local devices' cotangents; mpicoll.pvary adds
+# the ranks', giving the one-process gradient (without it: this rank's share).
+def replicated_grad(collective, mesh, mark):
+    objective = lambda w, v: collective(jnp.sum(jnp.sin(mark(w) * v[0])))  # noqa: E731
+    return jax.jit(jax.grad(jax.shard_map(objective, mesh=mesh, in_specs=(P(), P("i")),
+                                          out_specs=P())))
+
+
+W0 = np.linspace(0.5, 1.5, 3)
+check("shard_map grad of a replicated parameter, pvary",
+      replicated_grad(lambda y: mpicoll.allreduce(y, axis_name="i"), LOCAL_MESH, mpicoll.pvary)(
+          W0, G[MINE]),
+      replicated_grad(lambda y: lax.psum(y, "i"), GLOBAL_MESH, lambda w: w)(W0, G))
+
 # --- concurrent device threads never mix their collectives ---------------------
 repeat = local_shard_map(squeeze(lambda v: mpicoll.allreduce(v) * 1.0))
 expected = np.stack([groups[:, k].sum(0) for k in range(LOCAL)])

@@ -1,0 +1,117 @@
+"""What a collective adds to a jitted step dispatched from a Python loop, and to an eager call.
+
+    mpiexec -n 2 python benchmarks/dispatch.py [--runs 15] [--calls 2000]
+
+Rows, each the median over runs of (time of `calls` calls) / calls, the
+slowest rank's time, every row in one run with the rows interleaved run by run
+so that load drift hits all alike:
+
+  step, 1 array       jax.jit(lambda x: x + 1) on a float32[1]        (reference)
+  + allreduce         jax.jit(lambda x: allreduce(x) + 1)
+  same, JAX's tokens  the same program with JAX's own runtime-token method
+                      (mpicoll skips a resharding of the token; see _compat)
+  step, 100 arrays    jax.jit over a list of 100 float32[1]: each + 1  (reference)
+  + allreduce         the list allreduced (one fused call) then + 1
+  eager allreduce     mpicoll.allreduce(x) on a float32[1] jax array, then mpi4py's
+                      comm.Allreduce on numpy float32[1] buffers       (reference)
+
+A Python loop calls the jitted function and keeps the last result; the run
+ends with block_until_ready.  Results are checked once against numpy.
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as _jax_dispatch
+from mpi4py import MPI
+
+import mpicoll
+from mpicoll import _compat
+
+WORLD = MPI.COMM_WORLD
+
+
+def python_loop(function, argument, calls):
+    result = function(argument)
+    for _ in range(calls - 1):
+        result = function(argument)
+    jax.block_until_ready(result)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    size = WORLD.Get_size()
+    one = jnp.ones(1, jnp.float32)
+    many = [jnp.ones(1, jnp.float32) for _ in range(100)]
+    jax_tokens, fast_tokens = _compat.runtime_token_methods()
+    token_set = _jax_dispatch.RuntimeTokenSet
+
+    def with_jax_tokens(function):
+        def run(argument):
+            token_set.get_token_input = jax_tokens
+            try:
+                return function(argument)
+            finally:
+                token_set.get_token_input = fast_tokens or jax_tokens
+        return run
+
+    step = jax.jit(lambda x: x + 1)
+    step_allreduce = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
+    tree_step = jax.jit(lambda xs: [x + 1 for x in xs])
+    tree_allreduce = jax.jit(lambda xs: [x + 1 for x in mpicoll.allreduce(xs)])
+    send, receive = np.ones(1, np.float32), np.empty(1, np.float32)
+
+    def mpi4py_allreduce(_):
+        WORLD.Allreduce(send, receive)
+        return receive
+
+    rows = {
+        "step, 1 array": (lambda a: python_loop(step, one, a), None),
+        "  + allreduce": (lambda a: python_loop(step_allreduce, one, a), "step, 1 array"),
+        "  + allreduce, JAX's tokens": (
+            lambda a: with_jax_tokens(lambda c: python_loop(step_allreduce, one, c))(a),
+            "step, 1 array"),
+        "step, 100 arrays": (lambda a: python_loop(tree_step, many, a), None),
+        "  + allreduce (fused)": (lambda a: python_loop(tree_allreduce, many, a),
+                                  "step, 100 arrays"),
+        "mpi4py Allreduce 4 B": (lambda a: python_loop(mpi4py_allreduce, None, a), None),
+        "eager allreduce 4 B": (lambda a: python_loop(mpicoll.allreduce, one, a),
+                                "mpi4py Allreduce 4 B"),
+    }
+    checks = {"  + allreduce": (step_allreduce(one), size + 1.0),
+              "  + allreduce (fused)": (tree_allreduce(many)[-1], size + 1.0),
+              "eager allreduce 4 B": (mpicoll.allreduce(one), float(size))}
+    for name, (value, expected) in checks.items():
+        assert float(np.asarray(value)[0]) == expected, (name, value, expected)
+    times = {name: [] for name in rows}
+    for _ in range(2):  # warm-up
+        for name, (run, _) in rows.items():
+            run(20)
+    names = list(rows)
+    for i in range(args.runs):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            WORLD.Barrier()
+            start = time.perf_counter()
+            rows[name][0](args.calls)
+            elapsed = WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            times[name].append(elapsed / args.calls)
+    if WORLD.Get_rank() == 0:
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        print(f"dispatch from a Python loop, {size} rank(s), median of {args.runs} runs x "
+              f"{args.calls} calls, jax {jax.__version__}, {MPI.Get_library_version().splitlines()[0][:40]}")
+        print(f"{'':30} {'us/call':>9} {'x reference':>12}")
+        for name, (_, reference) in rows.items():
+            ratio = f"{medians[name] / medians[reference]:>12.1f}" if reference else ""
+            print(f"{name:30} {medians[name] * 1e6:>9.1f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()

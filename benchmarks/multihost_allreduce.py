@@ -1,0 +1,185 @@
+"""Measurements for the allreduce cost model (benchmarks/allreduce_model.py), on a simulated cluster.
+
+    launch/simcluster.py run --hosts 3 --ranks-per-host 2 -- python benchmarks/multihost_allreduce.py flat
+    launch/simcluster.py run --hosts 3 --ranks-per-host 1 -- python benchmarks/multihost_allreduce.py devices
+    make bench-multihost        # both, at 2 to 4 hosts (benchmarks/multihost_allreduce.sh)
+
+flat      one device per rank, 2 ranks per host.  Ping-pong (mpi4py, numpy buffers)
+          between ranks 0 and 1 (one host: shared memory) and ranks 0 and 2 (two hosts:
+          TCP), and mpicoll.allreduce over all ranks inside jit.
+devices   one rank per host with LOCAL fake CPU devices (XLA_FLAGS, set here).  The
+          global allreduce (axis_name) forced down each of its two paths: "small"
+          (psum over the devices, then every device allreduces the whole array across
+          ranks) and "split" (psum_scatter, every device allreduces its 1/L, all_gather);
+          and the device-only parts alone (psum; psum_scatter + all_gather), no MPI.
+
+Timing: a warm-up call (compiles), then REPEATS timed calls, each started after a
+barrier and taken as the slowest rank's time; a call is a jitted fori_loop of `inner`
+dependent allreduces (x <- allreduce(x) * 1/P), donated, blocked on; median / inner.
+Every path's result is checked against numpy once.  Rank 0 writes one JSON file.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+LOCAL = 2
+if len(sys.argv) > 1 and sys.argv[1] == "devices":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={LOCAL}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpicoll  # noqa: E402
+from mpicoll import global_collectives, topology  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+KIB, MIB = 1024, 1024 * 1024
+SIZES = [KIB, 16 * KIB, 128 * KIB, MIB, 8 * MIB]  # bytes per device (float32)
+REPEATS = 7
+
+
+def inner_for(nbytes):
+    return 20 if nbytes <= 128 * KIB else 3
+
+
+def median_time(call, repeats=REPEATS):
+    """Warm-up, then the median over repeats of the slowest rank's time of call()."""
+    call()
+    times = []
+    for _ in range(repeats):
+        WORLD.Barrier()
+        start = time.perf_counter()
+        call()
+        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return float(np.median(times))
+
+
+def pingpong(peer, nbytes, iterations):
+    """Half round-trip time between rank 0 and `peer` (other ranks only take part in barriers)."""
+    buffer = np.zeros(max(nbytes, 1), np.uint8)
+
+    def call():
+        for _ in range(iterations):
+            if RANK == 0:
+                WORLD.Send(buffer, dest=peer)
+                WORLD.Recv(buffer, source=peer)
+            elif RANK == peer:
+                WORLD.Recv(buffer, source=0)
+                WORLD.Send(buffer, dest=0)
+    return median_time(call) / iterations / 2
+
+
+def jitted_loop(step, inner, scale):
+    body = lambda i, v: step(v) * scale  # noqa: E731
+    return jax.jit(lambda x: lax.fori_loop(0, inner, body, x), donate_argnums=0)
+
+
+def measure_flat(report):
+    t = topology.world()
+    if t.local_size < 2 or t.node_count < 2 or SIZE < 3:
+        raise SystemExit("flat: run with >= 2 hosts x 2 ranks (rank 1 on rank 0's host, "
+                         "rank 2 on another)")
+    for label, peer in (("pingpong_intra", 1), ("pingpong_inter", t.local_size)):
+        report[label] = [[n, pingpong(peer, n, 50 if n <= 128 * KIB else 5)]
+                         for n in [8] + SIZES]
+    rows = []
+    for nbytes in SIZES:
+        count, inner = nbytes // 4, inner_for(nbytes)
+        loop = jitted_loop(mpicoll.allreduce, inner, np.float32(1 / SIZE))
+        x = jax.numpy.full(count, RANK + 1, np.float32)
+        check = np.asarray(jax.jit(mpicoll.allreduce)(x))
+        assert np.all(check == SIZE * (SIZE + 1) / 2), check[:4]
+        state = {"x": x}
+
+        def call():
+            state["x"] = loop(state["x"])
+            state["x"].block_until_ready()
+        rows.append([nbytes, median_time(call) / inner])
+    report["flat_allreduce"] = rows
+
+
+def measure_devices(report):
+    local = jax.local_device_count()
+    assert local == LOCAL, (local, os.environ.get("XLA_FLAGS"))
+    participants = SIZE * local
+    mesh = Mesh(np.array(jax.local_devices()), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    def mapped(step):
+        return jax.shard_map(lambda v: step(v[0])[None], mesh=mesh, in_specs=P("d"),
+                             out_specs=P("d"), check_vma=False)
+
+    def global_allreduce(v):
+        return mpicoll.allreduce(v, axis_name="d")
+
+    paths = {
+        # The threshold is read when the function is traced: 0 forces the split path.
+        "global_small": (float("inf"), global_allreduce),
+        "global_split": (0, global_allreduce),
+        "local_psum": (None, lambda v: lax.psum(v, "d")),
+        "local_split": (None, lambda v: lax.all_gather(lax.psum_scatter(v, "d", tiled=True),
+                                                       "d", tiled=True)),
+    }
+    saved = global_collectives.SPLIT_ALLREDUCE_BYTES
+    try:
+        for name, (threshold, step) in paths.items():
+            rows = []
+            for nbytes in SIZES:
+                count, inner = nbytes // 4, inner_for(nbytes)
+                if threshold is not None:
+                    global_collectives.SPLIT_ALLREDUCE_BYTES = threshold
+                every = participants if threshold is not None else local
+                loop = jitted_loop(mapped(step), inner, np.float32(1 / every))
+                first = RANK * local
+                data = np.stack([np.full(count, first + k + 1, np.float32) for k in range(local)])
+                want = sum(range(1, participants + 1)) if threshold is not None \
+                    else sum(range(first + 1, first + local + 1))
+                once = jax.jit(mapped(step))(jax.device_put(data, sharding))
+                assert np.all(np.asarray(once) == want), (name, np.asarray(once)[:, :3], want)
+                state = {"x": jax.device_put(data, sharding)}
+
+                def call():
+                    state["x"] = loop(state["x"])
+                    state["x"].block_until_ready()
+                rows.append([nbytes, median_time(call) / inner])
+            report[name] = rows
+    finally:
+        global_collectives.SPLIT_ALLREDUCE_BYTES = saved
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["flat", "devices"])
+    parser.add_argument("--output", help="JSON file (default benchmarks/results/"
+                                         "multihost-MODE-HOSTSh.json)")
+    args = parser.parse_args()
+    t = topology.world()
+    report = dict(mode=args.mode, hosts=t.node_count, ranks=SIZE, ranks_per_host=t.local_size,
+                  local_devices=jax.local_device_count(),
+                  mpi=MPI.Get_library_version().splitlines()[0].strip(), jax=jax.__version__,
+                  cores=os.cpu_count(), split_allreduce_bytes=global_collectives.SPLIT_ALLREDUCE_BYTES,
+                  load_before=os.getloadavg()[0])
+    (measure_flat if args.mode == "flat" else measure_devices)(report)
+    report["load_after"] = os.getloadavg()[0]
+    if RANK == 0:
+        path = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                           f"multihost-{args.mode}-{t.node_count}h.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list)}))
+        for key, rows in report.items():
+            if isinstance(rows, list):
+                print(f"{key:16s}", "  ".join(f"{n // KIB if n >= KIB else n}{'K' if n >= KIB else 'B'}:"
+                                               f"{t * 1e6:.1f}us" for n, t in rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Ranks that call different collectives: by default every rank raises, nobody
+gets garbage, a bare MPI abort or a hang (README: "When things go wrong").
+
+The default check ("first-run") compares each call site's call across ranks
+the first time it runs.  Each case here is a new program on every rank, in
+eager and jitted form, run twice (the second time from JAX's cache, where the
+site is checked again because its first check failed).  After each case the
+ranks must still be in step: a matching allreduce gives the right answer.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpicoll
+from conftest import RANK, SIZE
+
+pytestmark = pytest.mark.skipif(SIZE < 2, reason="a mismatch between ranks needs two ranks")
+
+MISMATCH = "ranks called different collectives"
+
+
+def _odd_one_out(value_on_0, value_elsewhere):
+    return value_on_0 if RANK == 0 else value_elsewhere
+
+
+# A shape no other test uses: the programs below are then new on every rank,
+# and a call site is compared on its first run in this process.  (A rank that
+# re-runs a program while another runs a new one is not compared: README.)
+SHAPE = (7, 11)
+OTHER = (7, 12)
+
+# name -> (function, argument) whose call differs on rank 0 from the others'.
+CASES = {
+    "shape": (mpicoll.allreduce, lambda: jnp.ones(_odd_one_out(SHAPE, OTHER), jnp.float32)),
+    "dtype": (mpicoll.allreduce,
+              lambda: jnp.ones(SHAPE, _odd_one_out(jnp.float32, jnp.int32))),
+    "root": (lambda x: mpicoll.bcast(x, root=_odd_one_out(0, 1)),
+             lambda: jnp.ones(SHAPE, jnp.float32)),
+    "op": (lambda x: mpicoll.allreduce(x, op=_odd_one_out("sum", "max")),
+           lambda: jnp.ones(SHAPE, jnp.int16)),
+    "collective": (_odd_one_out(mpicoll.allreduce, mpicoll.allgather),
+                   lambda: jnp.ones(SHAPE, jnp.uint16)),
+    "pytree": (mpicoll.allreduce, lambda: _odd_one_out(
+        {"a": jnp.ones(SHAPE, jnp.int8)},
+        {"a": jnp.ones(SHAPE, jnp.int8), "b": jnp.ones(SHAPE, jnp.int8)})),
+    # A non-root rank passes only its own block: it rejects the call, root would
+    # have run it; the rejection meets root's check, so both raise.
+    "scatter block": (mpicoll.scatter, lambda: _odd_one_out(jnp.ones((SIZE, *SHAPE), jnp.float32),
+                                                            jnp.ones(SHAPE, jnp.float32))),
+}
+
+
+def _in_step():
+    out = mpicoll.allreduce(jnp.full(2, RANK + 1.0))
+    np.testing.assert_array_equal(np.asarray(out), np.full(2, SIZE * (SIZE + 1) / 2))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("case", CASES)
+def test_mismatch_raises_on_every_rank_by_default(case, mode):
+    assert mpicoll.check_mode() == "first-run"
+    function, argument = CASES[case]
+    run = jax.jit(function) if mode == "jit" else function
+    for attempt in range(2):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=MISMATCH) as error:
+            jax.block_until_ready(run(argument()))
+        lines = str(error.value).splitlines()
+        assert len([line for line in lines if line.lstrip().startswith("rank ")]) == SIZE, lines
+    _in_step()
+
+
+def test_rejection_on_one_rank_names_it_on_every_rank():
+    with pytest.raises(jax.errors.JaxRuntimeError, match=MISMATCH) as error:
+        mpicoll.scatter(_odd_one_out(jnp.ones((SIZE, 5, 13), jnp.uint8), jnp.ones((), jnp.uint8)))
+    text = str(error.value)
+    assert f"rank 0: scatter(uint8[{SIZE},5,13], root=0)" in text, text
+    assert "rank 1: rejected: mpicoll.scatter: x must have shape (comm size, ...)" in text, text
+    if RANK == 1:  # the rank that rejected it chains its own error
+        assert isinstance(error.value.__cause__, ValueError)
+    _in_step()
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_the_same_rejection_everywhere_is_the_plain_error(mode):
+    """Bad input identical on every rank: the ValueError naming the cause, as always."""
+    run = jax.jit(mpicoll.scatter) if mode == "jit" else mpicoll.scatter
+    with pytest.raises(ValueError, match=r"x must have shape \(comm size, \.\.\.\)"):
+        run(jnp.ones(()))
+    _in_step()
+
+
+def test_a_site_is_compared_on_its_first_run_only():
+    comparisons = mpicoll._native.extension.comparisons_made
+    step = jax.jit(lambda x: mpicoll.allreduce(mpicoll.allreduce(x) * 2))
+    before = comparisons()
+    for _ in range(3):
+        out = step(jnp.full(2, RANK + 1.0))  # a new program (a new function)
+    first_run = comparisons() - before
+    previous = mpicoll.set_check_mode("every-call")
+    try:
+        before = comparisons()
+        step(jnp.full(2, RANK + 1.0)).block_until_ready()
+        every_call = comparisons() - before
+    finally:
+        mpicoll.set_check_mode(previous)
+    np.testing.assert_array_equal(np.asarray(out), np.full(2, 2.0 * SIZE * SIZE * (SIZE + 1) / 2))
+    assert (first_run, every_call) == (2, 2)  # two sites, three runs; every-call: two per run
+
+
+def test_check_off_leaves_matching_calls_working():
+    previous = mpicoll.set_check_mode("off")
+    try:
+        _in_step()
+    finally:
+        mpicoll.set_check_mode(previous)
+    assert mpicoll.check_mode() == previous == "first-run"
+
+
+def test_set_check_mode_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        mpicoll.set_check_mode("sometimes")
+    assert mpicoll.check_mode() == "first-run"
