@@ -214,11 +214,23 @@ def test_vector_reject_bad_counts():
         mpicoll.gatherv(x, COUNTS, -1)
     with pytest.raises(ValueError, match="gatherv: x must have a leading axis"):
         mpicoll.gatherv(jnp.float32(1), COUNTS)
-    # The one rank-dependent check, made to fail on every rank here.
-    with pytest.raises(ValueError, match=rf"on rank {RANK}, x has {COUNTS[RANK] + 1} rows"):
+    # The one rank-dependent check, made to fail on every rank here: the messages
+    # name each rank's own numbers, so with several ranks the ranks compare their
+    # rejections and every rank raises the mismatch, listing them.
+    raised = ValueError if SIZE == 1 else jax.errors.JaxRuntimeError
+    with pytest.raises(raised, match=rf"on rank {RANK}, x has {COUNTS[RANK] + 1} rows"):
         jax.jit(lambda a: mpicoll.allgatherv(a, COUNTS))(jnp.ones((COUNTS[RANK] + 1, 2)))
-    with pytest.raises(ValueError, match=r"but sum\(send_counts\)"):
+    with pytest.raises(raised, match=r"but sum\(send_counts\)"):
         mpicoll.alltoallv(jnp.ones((sum(SENDS) + 1,)), SENDS, SENDS)
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that is right and one that is wrong")
+def test_a_wrong_row_count_on_one_rank_raises_on_every_rank():
+    """First-run checks: rank 0's rejection meets the other ranks' call; all raise."""
+    rows = COUNTS[RANK] + (1 if RANK == 0 else 0)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?s)ranks called different.*"
+                                                         r"rejected: mpicoll.gatherv: on rank 0"):
+        jax.block_until_ready(mpicoll.gatherv(jnp.ones((rows, 2)), COUNTS))
 
 
 @pytest.mark.skipif(SIZE < 2, reason="mismatched counts need two ranks")
