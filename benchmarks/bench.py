@@ -4,8 +4,9 @@ Run (what `make bench` does, after building the C floor library):
 
     mpiexec -n 2 python benchmarks/bench.py [--quick] [--ops allreduce ...] [--sizes 4 1KiB ...]
 
-For bcast, scatter, reduce, allreduce (sum), gather, allgather and alltoall on
-float32, at every size (the input buffer of each rank: 4 B, 64 B, 1 KiB, 16 KiB,
+For bcast, scatter, reduce, allreduce (sum), gather, allgather, alltoall,
+sendrecv (a ring), reduce_scatter (sum) and allreduce_rs_ag (an allreduce
+written as reduce_scatter + allgather) on float32, at every size (the input buffer of each rank: 4 B, 64 B, 1 KiB, 16 KiB,
 256 KiB, 4 MiB, 64 MiB), in one run:
 
   c-floor        benchmarks/mpi_floor.c, loaded with ctypes: a C loop of the bare MPI
@@ -81,9 +82,10 @@ RESULTS = HERE / "results"
 FLOOR_SOURCE = HERE / "mpi_floor.c"
 KIB, MIB = 1024, 1024 * 1024
 
-OPS = ("bcast", "scatter", "reduce", "allreduce", "gather", "allgather", "alltoall")
+OPS = ("bcast", "scatter", "reduce", "allreduce", "gather", "allgather", "alltoall", "sendrecv",
+       "reduce_scatter", "allreduce_rs_ag")
 OP_CODES = {name: i for i, name in enumerate(OPS)}  # benchmarks/mpi_floor.c's numbering
-BLOCK_OPS = ("scatter", "alltoall")  # input (ranks, n)
+BLOCK_OPS = ("scatter", "alltoall", "reduce_scatter", "allreduce_rs_ag")  # input (ranks, n)
 ROOTED_RESULT_OPS = ("reduce", "gather")  # only the root's result is defined everywhere
 IMPLS = ("c-floor", "mpicoll-jit", "mpicoll-eager", "mpi4py", "mpi4jax-jit", "mpi4jax-eager",
          "jax-gloo")
@@ -195,6 +197,12 @@ def expected(op, rank, size, count, salt=0):
         return np.stack(inputs)
     if op == "alltoall":
         return np.stack([inputs[j][rank] for j in range(size)])
+    if op == "sendrecv":  # a ring: from rank - 1
+        return inputs[(rank - 1) % size]
+    if op == "reduce_scatter":
+        return np.sum([x[rank] for x in inputs], axis=0, dtype=np.float32)
+    if op == "allreduce_rs_ag":
+        return np.sum(inputs, axis=0, dtype=np.float32)
     raise ValueError(op)
 
 
@@ -308,7 +316,7 @@ class FloorLibrary:
 def floor_buffers(op, rank, size, count):
     x = make_input(op, rank, size, count)
     out_shape = {"scatter": (count,), "gather": (size, count), "allgather": (size, count),
-                 "alltoall": (size, count)}.get(op, (count,))
+                 "alltoall": (size, count), "allreduce_rs_ag": (size, count)}.get(op, (count,))
     out = np.zeros(out_shape, np.float32)
     if op in ("bcast", "reduce", "allreduce"):  # in place, like donated mpicoll
         out[...] = x
@@ -363,6 +371,16 @@ def setup_mpi4py(ctx, op, count):
             return functools.partial(comm.Gather, x, out if root else None, 0)
         if op == "allgather":
             return functools.partial(comm.Allgather, x, out)
+        if op == "sendrecv":
+            return functools.partial(comm.Sendrecv, x, (rank + 1) % size, 0, out,
+                                     (rank - 1) % size, 0)
+        if op == "reduce_scatter":
+            return functools.partial(comm.Reduce_scatter_block, x, out, MPI.SUM)
+        if op == "allreduce_rs_ag":
+            def both():
+                comm.Reduce_scatter_block(x, out[rank], MPI.SUM)
+                comm.Allgather(MPI.IN_PLACE, out)
+            return both
         return functools.partial(comm.Alltoall, x, out)
 
     def once():
@@ -380,15 +398,21 @@ def setup_mpi4py(ctx, op, count):
 
 
 def jax_ops(library, comm=None):
-    """op name -> function of one jax array, for mpicoll or mpi4jax."""
+    """op name -> function of one jax array, for mpicoll or mpi4jax (which lacks some)."""
+    from mpi4py import MPI
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    left, right = (rank - 1) % size, (rank + 1) % size
     if library == "mpicoll":
         import mpicoll
         return {"bcast": mpicoll.bcast, "scatter": mpicoll.scatter, "reduce": mpicoll.reduce,
                 "allreduce": mpicoll.allreduce, "gather": mpicoll.gather,
-                "allgather": mpicoll.allgather, "alltoall": mpicoll.alltoall}
+                "allgather": mpicoll.allgather, "alltoall": mpicoll.alltoall,
+                "sendrecv": lambda x: mpicoll.sendrecv(x, left, right),
+                "reduce_scatter": mpicoll.reduce_scatter,
+                "allreduce_rs_ag": lambda x: mpicoll.allgather(mpicoll.reduce_scatter(x))}
     import mpi4jax
-    from mpi4py import MPI
-    return {"bcast": lambda x: mpi4jax.bcast(x, 0, comm=comm),
+    return {"sendrecv": lambda x: mpi4jax.sendrecv(x, x, left, right, comm=comm),
+            "bcast": lambda x: mpi4jax.bcast(x, 0, comm=comm),
             "scatter": lambda x: mpi4jax.scatter(x, 0, comm=comm),
             "reduce": lambda x: mpi4jax.reduce(x, MPI.SUM, 0, comm=comm),
             "allreduce": lambda x: mpi4jax.allreduce(x, MPI.SUM, comm=comm),
@@ -453,6 +477,8 @@ def setup(ctx, impl, op, count):
     library, mode = impl.split("-")
     if library not in ctx.jax_ops:
         raise Unavailable(ctx.mpi4jax_reason)
+    if op not in ctx.jax_ops[library]:
+        raise Unavailable(f"{library} has no {op}")
     return (setup_jit if mode == "jit" else setup_eager)(ctx, library, op, count)
 
 
@@ -860,7 +886,9 @@ def cell(row):
 
 OP_TITLES = {"bcast": "bcast (root 0)", "scatter": "scatter (root 0)",
              "reduce": "reduce (sum, root 0)", "allreduce": "allreduce (sum)",
-             "gather": "gather (root 0)", "allgather": "allgather", "alltoall": "alltoall"}
+             "gather": "gather (root 0)", "allgather": "allgather", "alltoall": "alltoall",
+             "sendrecv": "sendrecv (ring)", "reduce_scatter": "reduce_scatter (sum)",
+             "allreduce_rs_ag": "allreduce_rs_ag (reduce_scatter + allgather)"}
 
 
 def table(rows, args, size):
@@ -933,10 +961,17 @@ def targets(rows):
               t("allreduce_pytree", f"mpicoll-{mode}/per-leaf", 100 * KIB),
               t("allreduce_pytree", f"mpicoll-{mode}/fused", 100 * KIB), 5, le=False)
     for op in OPS:
-        if op != "allreduce":
+        if op not in ("allreduce", "sendrecv", "reduce_scatter", "allreduce_rs_ag"):
             ratio(f"{op} 64 MiB, mpicoll-jit / c-floor", t(op, "mpicoll-jit", big),
                   t(op, "c-floor", big), 1.3)
-    return ["", "targets (issue 5):"] + checks if checks else []
+    # issue 14
+    ratio("sendrecv 4 B, mpicoll-jit / c-floor", t("sendrecv", "mpicoll-jit", small),
+          t("sendrecv", "c-floor", small), 2)
+    ratio("reduce_scatter 64 MiB, mpicoll-jit / c-floor", t("reduce_scatter", "mpicoll-jit", big),
+          t("reduce_scatter", "c-floor", big), 1.2)
+    ratio("allreduce as reduce_scatter + allgather 64 MiB / allreduce, mpicoll-jit",
+          t("allreduce_rs_ag", "mpicoll-jit", big), t("allreduce", "mpicoll-jit", big), 1.3)
+    return ["", "targets (issues 5, 14):"] + checks if checks else []
 
 
 CSV_FIELDS = ("op", "impl", "bytes", "input_bytes", "count", "status", "correct",

@@ -9,10 +9,14 @@
  *   int mpi_floor_run(int op, int comm_f, const float *in, float *out, long long count,
  *                     int iters, int repeats, double *times)
  *
- * op: 0 bcast, 1 scatter, 2 reduce, 3 allreduce, 4 gather, 5 allgather, 6 alltoall
- *     (float32; sum; root 0).  comm_f: the communicator as a Fortran handle
- *     (mpi4py: comm.py2f()).  count: elements per block, i.e. the count argument of
- *     the MPI call (for scatter and alltoall, `in` holds size blocks).
+ * op: 0 bcast, 1 scatter, 2 reduce, 3 allreduce, 4 gather, 5 allgather, 6 alltoall,
+ *     7 sendrecv (a ring: to rank + 1, from rank - 1), 8 reduce_scatter
+ *     (MPI_Reduce_scatter_block), 9 allreduce_rs_ag (an allreduce written as
+ *     MPI_Reduce_scatter_block into this rank's block of `out`, then an in-place
+ *     MPI_Allgather) (float32; sum; root 0).  comm_f: the communicator as a Fortran
+ *     handle (mpi4py: comm.py2f()).  count: elements per block, i.e. the count
+ *     argument of the MPI call (for scatter, alltoall, reduce_scatter and
+ *     allreduce_rs_ag, `in` holds size blocks).
  * bcast, reduce and allreduce work in place on `out`, as mpicoll does when its
  * input is donated: MPI_Bcast(out), MPI_Allreduce(MPI_IN_PLACE, out),
  * MPI_Reduce(MPI_IN_PLACE, out) on the root and MPI_Reduce(out, NULL) elsewhere.
@@ -27,9 +31,12 @@
 #include <mpi.h>
 #include <stddef.h>
 
-enum { BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL };
+enum { BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL, SENDRECV, REDUCE_SCATTER,
+       ALLREDUCE_RS_AG };
 
-static int call_once(int op, MPI_Comm comm, int rank, const float *in, float *out, int n) {
+static int call_once(int op, MPI_Comm comm, int rank, int size, const float *in, float *out,
+                     int n) {
+    int rc;
     switch (op) {
     case BCAST:
         return MPI_Bcast(out, n, MPI_FLOAT, 0, comm);
@@ -46,14 +53,24 @@ static int call_once(int op, MPI_Comm comm, int rank, const float *in, float *ou
         return MPI_Allgather(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm);
     case ALLTOALL:
         return MPI_Alltoall(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm);
+    case SENDRECV:
+        return MPI_Sendrecv(in, n, MPI_FLOAT, (rank + 1) % size, 0, out, n, MPI_FLOAT,
+                            (rank + size - 1) % size, 0, comm, MPI_STATUS_IGNORE);
+    case REDUCE_SCATTER:
+        return MPI_Reduce_scatter_block(in, out, n, MPI_FLOAT, MPI_SUM, comm);
+    case ALLREDUCE_RS_AG:
+        rc = MPI_Reduce_scatter_block(in, out + (size_t)rank * n, n, MPI_FLOAT, MPI_SUM, comm);
+        if (rc != MPI_SUCCESS) return rc;
+        return MPI_Allgather(MPI_IN_PLACE, n, MPI_FLOAT, out, n, MPI_FLOAT, comm);
     default:
         return MPI_ERR_OP;
     }
 }
 
-static int loop(int op, MPI_Comm comm, int rank, const float *in, float *out, int n, int iters) {
+static int loop(int op, MPI_Comm comm, int rank, int size, const float *in, float *out, int n,
+                int iters) {
     for (int i = 0; i < iters; ++i) {
-        int rc = call_once(op, comm, rank, in, out, n);
+        int rc = call_once(op, comm, rank, size, in, out, n);
         if (rc != MPI_SUCCESS) return rc;
     }
     return MPI_SUCCESS;
@@ -62,15 +79,16 @@ static int loop(int op, MPI_Comm comm, int rank, const float *in, float *out, in
 int mpi_floor_run(int op, int comm_f, const float *in, float *out, long long count, int iters,
                   int repeats, double *times) {
     MPI_Comm comm = MPI_Comm_f2c((MPI_Fint)comm_f);
-    int rank, rc;
+    int rank, size, rc;
     if (count < 0 || count > 0x7fffffffLL) return MPI_ERR_COUNT;
     if ((rc = MPI_Comm_rank(comm, &rank)) != MPI_SUCCESS) return rc;
+    if ((rc = MPI_Comm_size(comm, &size)) != MPI_SUCCESS) return rc;
     const int n = (int)count;
-    if (repeats <= 0) return loop(op, comm, rank, in, out, n, iters);
+    if (repeats <= 0) return loop(op, comm, rank, size, in, out, n, iters);
     for (int r = 0; r < repeats; ++r) {
         if ((rc = MPI_Barrier(comm)) != MPI_SUCCESS) return rc;
         double start = MPI_Wtime();
-        if ((rc = loop(op, comm, rank, in, out, n, iters)) != MPI_SUCCESS) return rc;
+        if ((rc = loop(op, comm, rank, size, in, out, n, iters)) != MPI_SUCCESS) return rc;
         double elapsed = MPI_Wtime() - start;
         rc = MPI_Allreduce(&elapsed, &times[r], 1, MPI_DOUBLE, MPI_MAX, comm);
         if (rc != MPI_SUCCESS) return rc;

@@ -13,11 +13,16 @@ from .collectives import (  # noqa: E402
     alltoall,
     barrier,
     bcast,
+    exscan,
     gather,
     pvary,
     reduce,
+    reduce_scatter,
+    scan,
     scatter,
 )
+from .p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E402
+from .vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
 from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
@@ -25,5 +30,7 @@ from . import failures as _failures  # noqa: E402
 
 _failures.configure_from_environment()
 
-__all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "check_mode", "clear_error",
-           "default_comm", "gather", "pvary", "reduce", "scatter", "set_check_mode", "set_timeout"]
+__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "allgather", "allgatherv", "allreduce",
+           "alltoall", "alltoallv", "barrier", "bcast", "check_mode", "clear_error", "default_comm",
+           "exscan", "gather", "gatherv", "pvary", "recv", "reduce", "reduce_scatter", "scan",
+           "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout"]

@@ -1,8 +1,9 @@
 """MPI collectives as ordered JAX primitives.
 
-One mechanism serves every collective.  A `Collective` spec gives what differs
-between them: the output shape rule, whether the op takes a root and a
-reduction op, its vmap rule and its transpose; `_make_primitive` turns a spec
+One mechanism serves every collective (and, through specs registered from
+vector.py and p2p.py, the variable-size collectives and point-to-point).  A
+`Collective` spec gives what differs between them: the output shape rule,
+whether the op takes a root and a reduction op, its vmap rule and its transpose; `_make_primitive` turns a spec
 into a JAX primitive with abstract evaluation, eager evaluation, a lowering to
 an FFI custom call that threads the MPI ordering token, batching and AD rules.
 `_bind` validates the arguments identically on every rank before binding, so
@@ -55,9 +56,18 @@ _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
 class Collective:
     """The specification of one collective; everything else is shared.
 
-    out_shape(shape, size): output shape from the input shape and comm size.
+    out_shape(shape, params): output shape from the input shape and the
+        primitive's params (params["size"] is the comm size).
     transpose(ct, params): cotangent of x from the output's cotangent; for a
         reduction this is the op="sum" case (the other ops are not linear).
+    family: "blocks" (equal rank blocks; pytrees fuse), "vector" (counts per
+        rank) or "peer" (point-to-point); the last two carry `ffi_args` (ints the
+        handler reads: counts, peers and tags) and have no fused form.
+    check(x, info, **static): validates a family's static arguments (counts,
+        peers) like the common checks, and returns the params they add.
+    batch(x, dim, params): -> (x, params, out_dim) for the batched call, where a
+        family's params depend on the shape; the default moves the rank axis first.
+    not_differentiable: a reason; the JVP raises it (only zero tangents pass).
 
     Every primitive carries the static params comm (table slot), size, root,
     op (code, -1 if none) and transpose_sums: False for mpicoll's convention
@@ -72,6 +82,10 @@ class Collective:
     reduces: bool = False
     leading_axis_is_size: bool = False  # x must have shape (size, ...)
     in_place: bool = False  # output aliases the input buffer (MPI_IN_PLACE)
+    family: str = "blocks"
+    check: Callable = None
+    batch: Callable = None
+    not_differentiable: str = None
 
     @property
     def target(self):
@@ -95,7 +109,7 @@ def _rank(params):
 # transpose_sums, pmap's convention, every rank's cotangent is summed to root).
 BCAST = Collective(
     "bcast",
-    out_shape=lambda shape, size: shape,
+    out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: (
         _run("reduce", ct, params, op=_SUM) if params["transpose_sums"]
         else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
@@ -107,7 +121,7 @@ BCAST = Collective(
 # scatter: rank r gets root's x[r].
 SCATTER = Collective(
     "scatter",
-    out_shape=lambda shape, size: shape[1:],
+    out_shape=lambda shape, params: shape[1:],
     transpose=lambda ct, params: _run("gather", ct, params),
     has_root=True,
     leading_axis_is_size=True,
@@ -117,7 +131,7 @@ SCATTER = Collective(
 # matters, and it reaches every rank's input.
 REDUCE = Collective(
     "reduce",
-    out_shape=lambda shape, size: shape,
+    out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: _run("bcast", ct, params, op=-1),
     has_root=True,
     reduces=True,
@@ -129,7 +143,7 @@ REDUCE = Collective(
 # transpose_sums, the sum of every rank's cotangent, as psum under pmap).
 ALLREDUCE = Collective(
     "allreduce",
-    out_shape=lambda shape, size: shape,
+    out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
     reduces=True,
     in_place=True,
@@ -138,7 +152,7 @@ ALLREDUCE = Collective(
 # gather: the stack by rank on root, zeros elsewhere.
 GATHER = Collective(
     "gather",
-    out_shape=lambda shape, size: (size, *shape),
+    out_shape=lambda shape, params: (params["size"], *shape),
     transpose=lambda ct, params: _run("scatter", ct, params),
     has_root=True,
 )
@@ -147,7 +161,7 @@ GATHER = Collective(
 # cotangent is its own slice (with transpose_sums, of the sum over ranks).
 ALLGATHER = Collective(
     "allgather",
-    out_shape=lambda shape, size: (size, *shape),
+    out_shape=lambda shape, params: (params["size"], *shape),
     transpose=lambda ct, params: (
         _run("allreduce", ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
 )
@@ -159,12 +173,52 @@ ALLGATHER = Collective(
 # 64 MiB and 2.1x at 4 MiB on 2 ranks (make bench), against 1.5x and 1.06x.
 ALLTOALL = Collective(
     "alltoall",
-    out_shape=lambda shape, size: shape,
+    out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: _run("alltoall", ct, params),
     leading_axis_is_size=True,
 )
 
-SPECS = (BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL)
+# reduce_scatter: rank r gets the reduction of every rank's x[r].  With
+# op="sum" its transpose is allgather (block r came from every rank's x[r]);
+# that allgather's output is a per-rank cotangent, not one replicated value, so
+# it is told to sum on transposition (giving reduce_scatter back).
+REDUCE_SCATTER = Collective(
+    "reduce_scatter",
+    out_shape=lambda shape, params: shape[1:],
+    transpose=lambda ct, params: _run("allgather", ct, params, op=-1, transpose_sums=True),
+    reduces=True,
+    leading_axis_is_size=True,
+)
+
+
+def _total(ct, params):
+    """The sum of ct over ranks, as a per-rank value (its transpose sums too)."""
+    return _run("allreduce", ct, params, op=_SUM, transpose_sums=True)
+
+
+# scan / exscan: inclusive / exclusive prefix reductions in rank order (exscan
+# gives zeros on rank 0, where MPI leaves the result undefined).  With
+# op="sum", the transpose is the suffix sum: x_q's cotangent is the sum of
+# ct_r over r >= q (scan) or r > q (exscan), written as the total minus the
+# other prefix (its rounding follows the total's magnitude).
+SCAN = Collective(
+    "scan",
+    out_shape=lambda shape, params: shape,
+    transpose=lambda ct, params: _total(ct, params) - _run("exscan", ct, params),
+    reduces=True,
+    in_place=True,
+)
+
+EXSCAN = Collective(
+    "exscan",
+    out_shape=lambda shape, params: shape,
+    transpose=lambda ct, params: _total(ct, params) - _run("scan", ct, params),
+    reduces=True,
+    in_place=True,
+)
+
+SPECS = (BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL, REDUCE_SCATTER, SCAN,
+         EXSCAN)
 
 
 # ---------------------------------------------------------------------------
@@ -173,6 +227,9 @@ SPECS = (BCAST, SCATTER, REDUCE, ALLREDUCE, GATHER, ALLGATHER, ALLTOALL)
 def _reduction_tangent(spec, x, y, t, params):
     """Tangent of reduce/allreduce(x, op) for op in prod/min/max; linear in t."""
     op = _OP_NAMES[params["op"]]
+    if spec not in (REDUCE, ALLREDUCE):
+        raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative "
+                                  "(only op='sum' is differentiable)")
     summed = lambda v: _run(spec.name, v, params, op=_SUM)  # noqa: E731
     if op in ("min", "max"):
         # Like jnp.max: the selected elements' tangents, ties sharing equally.
@@ -247,11 +304,11 @@ def _out_batch_dim(x, dim, out):
 def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
-    def abstract_eval(x, *, comm, size, root, op, transpose_sums, ordered, alias):
+    def abstract_eval(x, *, ordered, **params):
         effects = {mpi_effect} if ordered else set()
-        return _compat.aval_with_shape(x, spec.out_shape(x.shape, size)), effects
+        return _compat.aval_with_shape(x, spec.out_shape(x.shape, params)), effects
 
-    def lowering(ctx, x, *, comm, size, root, op, transpose_sums, ordered, alias):
+    def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), **params):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # In-place ops alias their output to x (operand 1 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
@@ -261,15 +318,20 @@ def _make_primitive(spec):
         aliases = {1: 1} if spec.in_place and alias else None
         call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True,
                                     operand_output_aliases=aliases)
+        # ffi_args: the vector and point-to-point families' ints (counts, peers).
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
-                          site=np.int64(next(_call_sites)))
+                          site=np.int64(next(_call_sites)),
+                          args=np.asarray(ffi_args, np.int64).reshape(-1))
         if ordered:
             _compat.set_token_out(ctx, mpi_effect, token)
         return [out]
 
     def batch(args, dims, **params):
         (x,), (dim,) = args, dims
+        if spec.batch is not None:
+            x, params, out_dim = spec.batch(x, dim, params)
+            return primitive.bind(x, **params), out_dim
         x, dim = _rank_axis_first(spec, x, dim)
         out = primitive.bind(x, **params)
         return out, _out_batch_dim(x, dim, out)
@@ -279,6 +341,8 @@ def _make_primitive(spec):
         y = primitive.bind(x, **params)
         if type(t) is _compat.Zero:
             return y, _compat.zero_tangent(jax.typeof(y))
+        if spec.not_differentiable:
+            raise NotImplementedError(f"mpicoll.{spec.name}: {spec.not_differentiable}")
         if spec.reduces and params["op"] != _SUM:
             return y, _reduction_tangent(spec, x, y, t, params)
         return y, primitive.bind(t, **params)  # linear
@@ -304,6 +368,14 @@ PRIMITIVES = {spec.name: _make_primitive(spec) for spec in SPECS}
 _SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
 
 
+def register(spec):
+    """Make the primitive of a spec defined in another module (vector, point-to-point)."""
+    assert spec.family != "blocks", "rank-block specs belong in SPECS (they have fused forms)"
+    PRIMITIVES[spec.name] = _make_primitive(spec)
+    _SPECS_BY_NAME[spec.name] = spec
+    return spec
+
+
 def _make_fused_primitive(spec):
     """The collective applied to n arrays of one dtype in one MPI message (pytrees).
 
@@ -316,9 +388,9 @@ def _make_fused_primitive(spec):
     primitive.multiple_results = True
     single = PRIMITIVES[spec.name]
 
-    def abstract_eval(*xs, comm, size, root, op, transpose_sums, ordered, alias):
+    def abstract_eval(*xs, ordered, **params):
         effects = {mpi_effect} if ordered else set()
-        return [_compat.aval_with_shape(x, spec.out_shape(x.shape, size)) for x in xs], effects
+        return [_compat.aval_with_shape(x, spec.out_shape(x.shape, params)) for x in xs], effects
 
     def lowering(ctx, *xs, comm, size, root, op, transpose_sums, ordered, alias):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
@@ -405,8 +477,11 @@ def _check_root(root, size, caller, among=None):
     return root
 
 
-def _validated_params(spec, x, comm, root, op, transpose_sums):
-    """Check every argument (same outcome on every rank, no MPI traffic) -> (x, params)."""
+def _validated_params(spec, x, comm, root, op, transpose_sums, static=()):
+    """Check every argument (same outcome on every rank, no MPI traffic) -> (x, params).
+
+    static: a family's own static arguments as (name, value) pairs (spec.check).
+    """
     info = comm_layer.resolve(comm, spec.name)
     x = _as_array(x, spec.name)
     _dtypes_and_ops.dtype_family(x.dtype, spec.name)
@@ -415,23 +490,30 @@ def _validated_params(spec, x, comm, root, op, transpose_sums):
     if spec.leading_axis_is_size and (x.ndim == 0 or x.shape[0] != info.size):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
-    return x, dict(comm=info.slot, size=info.size, root=root, op=op_code,
-                   transpose_sums=bool(transpose_sums))
+    params = dict(comm=info.slot, size=info.size, root=root, op=op_code,
+                  transpose_sums=bool(transpose_sums))
+    if spec.check is not None:
+        params.update(spec.check(x, info, **dict(static)))
+    return x, params
 
 
-def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True):
+def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
+          static=()):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
 
     ordered=False only for a program that runs synchronously with a single MPI
     call in it (see _collective), where no token is needed to order it.
+    Point-to-point rejections are not compared across the communicator: only
+    two of its ranks take part in a message.
     """
+    agree = _agreed if spec.family != "peer" else _validate_alone
     if _compat.at_top_level():
-        program, x = _agreed(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
-                             transpose_sums)
+        program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
+                           transpose_sums, static)
         jax.effects_barrier()  # pending jitted collectives first: they come earlier in order
         return program(x).block_until_ready()
-    x, params = _agreed(comm, spec.name, _validated_params, spec, x, comm, root, op,
-                        transpose_sums)
+    x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
+                      transpose_sums, static)
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
 
 
@@ -453,6 +535,11 @@ def _agreed(comm, caller, validate, *args):
     except (TypeError, ValueError) as error:
         _compare_rejection(comm, caller, error)
         raise
+
+
+def _validate_alone(comm, caller, validate, *args):
+    """validate(*args) for point-to-point: a rejection is this rank's alone."""
+    return validate(*args)
 
 
 def _compare_rejection(comm, caller, error):
@@ -480,7 +567,7 @@ def _compare_rejection(comm, caller, error):
 _EAGER_PROGRAMS = {}
 
 
-def _eager_program_for(spec, x, comm, root, op, transpose_sums):
+def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     """The program for a call outside any trace (cached), and x as an array.
 
     The caller runs it synchronously: completing the call before returning
@@ -492,10 +579,11 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums):
     x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
     slot = None if comm is None else comm_layer.resolve(comm, spec.name).slot
     cacheable = type(root) is int and (op is None or type(op) is str)
-    key = (spec.name, slot, root, op, transpose_sums, x.dtype, x.shape) if cacheable else None
+    key = ((spec.name, slot, root, op, transpose_sums, x.dtype, x.shape, static) if cacheable
+           else None)
     program = _EAGER_PROGRAMS.get(key)
     if program is None:
-        x, params = _validated_params(spec, x, comm, root, op, transpose_sums)
+        x, params = _validated_params(spec, x, comm, root, op, transpose_sums, static)
         program = _eager_program(spec.name, tuple(params.items()))
         if cacheable:
             _EAGER_PROGRAMS[key] = program
@@ -733,6 +821,30 @@ def alltoall(x, *, comm=None, axis_name=None):
     if axis_name is not None:
         return global_collectives.alltoall(x, comm, axis_name)
     return _collective(ALLTOALL, x, comm=comm)
+
+
+def reduce_scatter(x, op="sum", *, comm=None, axis_name=None):
+    """Rank r gets the reduction over ranks of x[r]; x has shape (size, *s) (MPI_Reduce_scatter_block). Output: s.
+
+    With axis_name, over every participant: x has shape (size * local_devices, *s)
+    and participant p gets the reduction of every participant's x[p] (like
+    lax.psum_scatter for op="sum").
+    """
+    if axis_name is not None:
+        return global_collectives.reduce_scatter(x, op, comm, axis_name)
+    return _collective(REDUCE_SCATTER, x, comm=comm, op=op)
+
+
+def scan(x, op="sum", *, comm=None, axis_name=None):
+    """Rank r gets the reduction of x over ranks 0..r (MPI_Scan). Output: x.shape."""
+    _no_global_form("scan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
+    return _collective(SCAN, x, comm=comm, op=op)
+
+
+def exscan(x, op="sum", *, comm=None, axis_name=None):
+    """Rank r gets the reduction of x over ranks 0..r-1; zeros on rank 0 (MPI_Exscan). Output: x.shape."""
+    _no_global_form("exscan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
+    return _collective(EXSCAN, x, comm=comm, op=op)
 
 
 def barrier(*, comm=None):

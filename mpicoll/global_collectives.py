@@ -13,6 +13,8 @@ communicator, all devices in parallel):
   allgather  MPI allgather of each device's own x, then all_gather over devices.
   alltoall   all_to_all over devices, then MPI alltoall across ranks.
   bcast      the root device's x to its rank's devices, then MPI bcast per device.
+  reduce_scatter  reduce-scatter over devices (each device keeps the rows of
+             its own local index, for every rank), then MPI reduce_scatter.
 
 Autodiff and vmap follow the matching lax collective over one axis spanning all
 participants: the lax pieces bring their own rules, and the MPI pieces are told
@@ -111,3 +113,27 @@ def bcast(x, root, comm, axis_name):
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
     return collectives._bind(collectives.BCAST, on_rank.astype(x.dtype), comm=comm,
                              root=root_rank, transpose_sums=not vma)
+
+
+def reduce_scatter(x, op, comm, axis_name):
+    x = collectives._as_array(x, "reduce_scatter")
+    name = _dtypes_and_ops.op_name(op, "reduce_scatter")
+    _dtypes_and_ops.op_code(name, x.dtype, "reduce_scatter")
+    info = comm_layer.resolve(comm, "reduce_scatter")
+    local = _local_axis_size(axis_name, "reduce_scatter")
+    participants = info.size * local
+    if x.ndim == 0 or x.shape[0] != participants:
+        raise ValueError(f"mpicoll.reduce_scatter: with axis_name, x must have shape (size * "
+                         f"local devices, ...) = ({participants}, ...), got {tuple(x.shape)}")
+    blocks = x.reshape((info.size, local, *x.shape[1:]))  # [dest rank, dest device]
+    if name == "sum":
+        # Device k keeps, for every rank, the rows meant for local device k, summed locally.
+        mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]
+    else:
+        everything = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
+        # [dest rank, source device]: combine over the local source devices
+        mine = functools.reduce(_COMBINE[name], [everything[:, k] for k in range(local)])
+        mine = mine.astype(x.dtype)
+    vma = _compat.check_vma_enabled()
+    return collectives._bind(collectives.REDUCE_SCATTER, mine, op=name, comm=comm,
+                             transpose_sums=not vma)

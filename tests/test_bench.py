@@ -22,7 +22,8 @@ from conftest import run_mpiexec, serial_only
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench.py"
 TIMEOUT = 300  # s; ~30 s on a lightly loaded 2-core machine, more when it is shared
-OPS = ("bcast", "scatter", "reduce", "allreduce", "gather", "allgather", "alltoall")
+OPS = ("bcast", "scatter", "reduce", "allreduce", "gather", "allgather", "alltoall", "sendrecv",
+       "reduce_scatter", "allreduce_rs_ag")
 ALWAYS = ("c-floor", "mpicoll-jit", "mpicoll-eager", "mpi4py")
 OPTIONAL = ("mpi4jax-jit", "mpi4jax-eager")  # ok, or "not available" with a reason
 GLOO_OPS = ("allreduce", "allgather", "alltoall")

@@ -42,6 +42,19 @@ def check_heat_equation(out):
     assert "heat_equation: ok" in out
 
 
+def check_mpi4jax_port(out):
+    assert f"mpi4jax_port: {RANKS} rank(s) x 32 points" in out
+    error = float(re.search(r"max error vs one process ([\d.e+-]+)", out).group(1))
+    assert error < 1e-5
+    assert "mpi4jax_port: ok" in out
+
+
+def test_mpi4jax_port_differs_from_an_mpi4jax_program_by_its_import_only():
+    code = (EXAMPLES / "mpi4jax_port.py").read_text().split('"""', 2)[2]  # after the docstring
+    assert [line for line in code.splitlines() if "mpicoll" in line] == [
+        "import mpicoll.mpi4jax as mpi4jax  # was: import mpi4jax"]
+
+
 # The examples run here and the check of each one's output.  A new example needs
 # an entry here or a test elsewhere in tests/ that names it
 # (test_every_example_is_tested fails until it has one).
@@ -49,6 +62,7 @@ CHECKS = {
     "demo.py": check_demo,
     "data_parallel_mlp.py": check_data_parallel_mlp,
     "heat_equation.py": check_heat_equation,
+    "mpi4jax_port.py": check_mpi4jax_port,
 }
 
 

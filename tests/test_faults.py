@@ -209,6 +209,13 @@ def test_timeout_covers_the_collective_setup_at_a_communicators_first_use():
         r"fresh \(MPI_Comm_dup\) \(MPICOLL_TIMEOUT={timeout}\)")
 
 
+@serial_only
+def test_timeout_aborts_a_recv_whose_message_never_comes():
+    assert_aborted_by_timeout(
+        "recv-never-sent", r"mpicoll: rank 0 \(rank 0 of mpicoll:MPI_COMM_WORLD:device0, local "
+        r"device 0\) has waited [\d.]+ s in recv \(MPICOLL_TIMEOUT={timeout}\); aborting the job")
+
+
 # ---------------------------------------------------------------------------
 # A rank killed by SIGKILL in the middle of a loop of jitted collectives.
 

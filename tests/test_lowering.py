@@ -59,3 +59,28 @@ def test_cpu_only_build_on_a_gpu_says_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(collectives, "_backend_present", lambda platform: True)
     with pytest.raises(NotImplementedError, match=r"mpicoll\.allreduce: .*MPICOLL_CUDA=1"):
         lowered_text(mpicoll.allreduce, jnp.ones(3, jnp.float32), platform="cuda")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_new_collectives_and_point_to_point_lower(platform):
+    """reduce_scatter/scan/exscan (and their fused forms), the vector collectives,
+    point-to-point and the status call: one custom call each, in program order."""
+    x = jnp.zeros((SIZE, 4), jnp.float32)
+    counts = (1,) * SIZE
+
+    def program(a):
+        outs = [mpicoll.reduce_scatter(a), mpicoll.scan(a), mpicoll.exscan(a),
+                mpicoll.gatherv(a[:1], counts), mpicoll.allgatherv(a[:1], counts),
+                mpicoll.scatterv(a, counts), mpicoll.alltoallv(a, counts, counts)]
+        mpicoll.send(a, 0)
+        outs.append(mpicoll.recv(a, 0, return_status=True))
+        outs.append(mpicoll.sendrecv(a, 0, 0))
+        return outs
+
+    assert custom_calls(lowered_text(program, x, platform=platform)) == [
+        "mpicoll_reduce_scatter", "mpicoll_scan", "mpicoll_exscan", "mpicoll_gatherv",
+        "mpicoll_allgatherv", "mpicoll_scatterv", "mpicoll_alltoallv", "mpicoll_send",
+        "mpicoll_recv", "mpicoll_status", "mpicoll_sendrecv"]
+    fused = lowered_text(lambda t: (mpicoll.reduce_scatter(t), mpicoll.scan(t)), [x, x + 1],
+                         platform=platform)
+    assert custom_calls(fused) == ["mpicoll_reduce_scatter_fused", "mpicoll_scan_fused"]

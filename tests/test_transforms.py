@@ -29,6 +29,10 @@ def _reduce(X, op):
     return {"sum": X.sum, "prod": X.prod, "max": X.max, "min": X.min}[op](axis=0)
 
 
+def _exclusive_cumsum(X):
+    return jnp.concatenate([jnp.zeros_like(X[:1]), jnp.cumsum(X, axis=0)[:-1]])
+
+
 def _zeros_but(r, value):
     return jnp.where(jnp.arange(SIZE).reshape((-1,) + (1,) * value.ndim) == r, value, 0)
 
@@ -51,7 +55,59 @@ CASES = {
     "gather": (lambda x: mpicoll.gather(x, ROOT), lambda X: _zeros_but(ROOT, X), False, (3, 2)),
     "scatter": (lambda x: mpicoll.scatter(x, ROOT), lambda X: X[ROOT], False, (SIZE, 3)),
     "alltoall": (lambda x: mpicoll.alltoall(x), lambda X: jnp.swapaxes(X, 0, 1), False, (SIZE, 3)),
+    "reduce_scatter-sum": (lambda x: mpicoll.reduce_scatter(x), lambda X: X.sum(axis=0), False,
+                           (SIZE, 3)),
+    "scan-sum": (lambda x: mpicoll.scan(x), lambda X: jnp.cumsum(X, axis=0), False, (3, 2)),
+    "exscan-sum": (lambda x: mpicoll.exscan(x), lambda X: _exclusive_cumsum(X), False, (3, 2)),
+    # A ring: rank r sends to r + 1 and receives from r - 1.
+    "sendrecv": (lambda x: mpicoll.sendrecv(x, (RANK - 1) % SIZE, (RANK + 1) % SIZE),
+                 lambda X: jnp.roll(X, 1, axis=0), False, (3, 2)),
 }
+
+
+# The vector collectives: every rank's input is padded to MAX_ROWS rows (the
+# harness stacks equal shapes) and sliced to its count before the call; outputs
+# that differ in length between ranks are padded back.
+VCOUNTS = tuple(1 + r % 2 for r in range(SIZE))  # rows per rank
+MAX_ROWS = 2 * SIZE
+
+
+def _pairs(r, j):
+    """alltoallv: rows rank r sends to rank j (symmetric, so also what j sends r)."""
+    return 1 + (r + j) % 2
+
+
+def _pad(value, rows=MAX_ROWS):
+    return jnp.pad(value, ((0, rows - value.shape[0]),) + ((0, 0),) * (value.ndim - 1))
+
+
+def _concat_counts(X, counts):
+    return jnp.concatenate([X[r, :counts[r]] for r in range(SIZE)])
+
+
+def _alltoallv_local(x):
+    send = tuple(_pairs(RANK, j) for j in range(SIZE))
+    return _pad(mpicoll.alltoallv(x[:sum(send)], send, send))
+
+
+def _alltoallv_global(X):
+    def received(r):  # rank r's rows: from every j, the part j sends to r
+        return jnp.concatenate([X[j, sum(_pairs(j, k) for k in range(r)):][:_pairs(j, r)]
+                                for j in range(SIZE)])
+    return jnp.stack([_pad(received(r)) for r in range(SIZE)])
+
+
+CASES.update({
+    "gatherv": (lambda x: mpicoll.gatherv(x[:VCOUNTS[RANK]], VCOUNTS, ROOT),
+                lambda X: _zeros_but(ROOT, _concat_counts(X, VCOUNTS)),
+                False, (MAX_ROWS, 3)),
+    "allgatherv": (lambda x: mpicoll.allgatherv(x[:VCOUNTS[RANK]], VCOUNTS),
+                   lambda X: _concat_counts(X, VCOUNTS), True, (MAX_ROWS, 3)),
+    "scatterv": (lambda x: _pad(mpicoll.scatterv(x[:sum(VCOUNTS)], VCOUNTS, ROOT)),
+                 lambda X: jnp.stack([_pad(X[ROOT, sum(VCOUNTS[:r]):sum(VCOUNTS[:r + 1])])
+                                      for r in range(SIZE)]), False, (MAX_ROWS, 3)),
+    "alltoallv": (_alltoallv_local, _alltoallv_global, False, (MAX_ROWS, 3)),
+})
 LINEAR = [name for name in CASES if not name.endswith(("-prod", "-max", "-min"))]
 
 
@@ -162,7 +218,9 @@ def test_complex_vjp_of_linear_collectives(name):
                                global_pullback(C)[0][RANK], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["allreduce-sum", "allgather", "scatter", "alltoall", "gather"])
+@pytest.mark.parametrize("name", ["allreduce-sum", "allgather", "scatter", "alltoall", "gather",
+                                  "reduce_scatter-sum", "scan-sum", "sendrecv", "allgatherv",
+                                  "alltoallv"])
 def test_linear_transpose_jacrev_jacfwd_checkpoint(name):
     local_fn, global_fn, replicated, shape = CASES[name]
     X = case_data(name, shape, jnp.float64, 0)

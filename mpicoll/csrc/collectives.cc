@@ -311,6 +311,14 @@ struct Call {
   size_t in_count;
   size_t out_count;
   int64_t site;  // the call site in its program (for the first-run check)
+  ffi::DataType dtype;
+  // The vector and point-to-point families' static arguments (counts, peers).
+  const int64_t* args;
+  size_t nargs;
+  // What a point-to-point body reports: the source and tag it received from,
+  // and why a received message did not fit (kCheckFailed).
+  mutable int32_t status[2];
+  mutable std::string failure;
 };
 
 bool InPlace(const Call& c) { return c.in == c.out; }
@@ -407,10 +415,39 @@ int AlltoallChunk(const Call& c, const Chunk& k) {
                       c.comm);
 }
 
+// reduce_scatter: rank r gets the reduction of every rank's block r.  A chunk
+// that is not the whole block cannot be one MPI_Reduce_scatter_block (one
+// datatype serves both buffers, and only the input's blocks are strided), so it
+// is reduced rank block by rank block to that rank.
+int ReduceScatterChunk(const Call& c, const Chunk& k) {
+  if (static_cast<size_t>(k.count) == k.block) {
+    return MPI_Reduce_scatter_block(c.in, c.out, k.count, c.type, c.mpi_op, c.comm);
+  }
+  for (int r = 0; r < c.size; ++r) {
+    int rc = MPI_Reduce(c.in + (r * k.block + k.offset) * c.elem_bytes, c.out + k.at(c), k.count,
+                        c.type, c.mpi_op, r, c.comm);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+int ScanChunk(const Call& c, const Chunk& k) {
+  const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Scan(send, c.out + k.at(c), k.count, c.type, c.mpi_op, c.comm);
+}
+
+// MPI leaves rank 0's result undefined; the memory strategy zeroes it.
+int ExscanChunk(const Call& c, const Chunk& k) {
+  const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Exscan(send, c.out + k.at(c), k.count, c.type, c.mpi_op, c.comm);
+}
+
 int Barrier(const Call& c) { return MPI_Barrier(c.comm); }
 
 // MPI applies no operator when a communicator has one rank, so logical ops on
 // integers would return the input unchanged; give 0/1 as with several ranks.
+// A prefix reduction does the same on the rank whose result is a single rank's
+// input (scan: rank 0, exscan: rank 1), so its results are always normalized.
 // Runs on host bytes (XLA's CPU buffers or the GPU staging buffers).
 template <typename Word>
 void ToTruth(char* data, size_t count) {
@@ -418,12 +455,18 @@ void ToTruth(char* data, size_t count) {
   for (size_t i = 0; i < count; ++i) words[i] = words[i] != 0;
 }
 
+struct ScanOp;
+struct ExscanOp;
+
+template <typename Op>
 bool NeedsTruthValues(const Call& c) {
-  return c.size == 1 && (c.op == kLand || c.op == kLor || c.op == kLxor);
+  constexpr bool kPrefix = std::is_same_v<Op, ScanOp> || std::is_same_v<Op, ExscanOp>;
+  return (c.size == 1 || kPrefix) && (c.op == kLand || c.op == kLor || c.op == kLxor);
 }
 
+template <typename Op>
 void NormalizeLogical(const Call& c, const Chunk& k) {
-  if (!NeedsTruthValues(c)) return;
+  if (!NeedsTruthValues<Op>(c)) return;
   char* data = c.out + k.at(c);
   switch (c.elem_bytes) {
     case 1: ToTruth<uint8_t>(data, k.count); break;
@@ -692,9 +735,259 @@ void AdviseHugePages(char* data, size_t bytes) {
 }
 
 // ---------------------------------------------------------------------------
-// Each collective as a type: one row of facts plus its chunk body.  The facts
-// drive everything generic (argument checks, check-mode descriptions, fused
-// packing, GPU staging); nothing else asks which collective it is.
+// Beyond equal rank blocks: variable-size collectives (counts per rank) and
+// point-to-point.  Each makes one MPI call for the whole buffers (no chunks),
+// with what Python passes in `args`:
+//   vector ops      [row elements, counts per rank (in rows)...]; alltoallv:
+//                   [row elements, send counts..., recv counts...]
+//   point-to-point  [source, dest, send tag, recv tag]
+constexpr int kCheckFailed = -2;  // a body's own check failed; c.failure says why
+
+// `count` elements as one MPI call's (type, count): the element type up to
+// INT_MAX elements, above that one element of a struct type (2^30-element
+// blocks and the rest).
+struct Message {
+  MPI_Datatype type;
+  int count;
+  int rc = MPI_SUCCESS;
+  MPI_Datatype parts_[2] = {MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
+  Message(const Call& c, size_t elements) : type(c.type), count(static_cast<int>(elements)) {
+    if (elements <= static_cast<size_t>(INT_MAX)) return;
+    const size_t blocks = elements / kMaxChunk, rest = elements % kMaxChunk;
+    rc = MPI_Type_contiguous(static_cast<int>(kMaxChunk), c.type, &parts_[0]);
+    int lengths[2] = {static_cast<int>(blocks), static_cast<int>(rest)};
+    MPI_Aint displacements[2] = {0, static_cast<MPI_Aint>(blocks * kMaxChunk * c.elem_bytes)};
+    MPI_Datatype types[2] = {parts_[0], c.type};
+    if (rc == MPI_SUCCESS) rc = MPI_Type_create_struct(2, lengths, displacements, types, &parts_[1]);
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&parts_[1]);
+    type = parts_[1];
+    count = 1;
+  }
+  ~Message() {
+    for (MPI_Datatype& t : parts_) {
+      if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+    }
+  }
+};
+
+// One row of the leading axis as an MPI type (counts are in rows).
+struct RowType {
+  MPI_Datatype type;
+  int rc = MPI_SUCCESS;
+  MPI_Datatype made_ = MPI_DATATYPE_NULL;
+  explicit RowType(const Call& c) : type(c.type) {
+    const size_t row = static_cast<size_t>(c.args[0]);
+    if (row == 1) return;
+    Message whole(c, row);
+    rc = whole.rc;
+    if (rc == MPI_SUCCESS) rc = MPI_Type_contiguous(whole.count, whole.type, &made_);
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&made_);
+    type = made_;
+  }
+  ~RowType() {
+    if (made_ != MPI_DATATYPE_NULL) MPI_Type_free(&made_);
+  }
+};
+
+// Counts per rank and their displacements, as MPI's int vectors (Python keeps
+// the totals within INT_MAX rows).
+struct RankCounts {
+  std::vector<int> counts, displacements;
+  RankCounts(const int64_t* values, int size) : counts(size), displacements(size) {
+    int64_t at = 0;
+    for (int r = 0; r < size; ++r) {
+      counts[r] = static_cast<int>(values[r]);
+      displacements[r] = static_cast<int>(at);
+      at += values[r];
+    }
+  }
+};
+
+int GathervWhole(const Call& c, const Chunk&) {
+  RowType row(c);
+  if (row.rc != MPI_SUCCESS) return row.rc;
+  RankCounts rows(c.args + 1, c.size);
+  return MPI_Gatherv(c.in, rows.counts[c.rank], row.type, c.out, rows.counts.data(),
+                     rows.displacements.data(), row.type, c.root, c.comm);
+}
+
+int AllgathervWhole(const Call& c, const Chunk&) {
+  RowType row(c);
+  if (row.rc != MPI_SUCCESS) return row.rc;
+  RankCounts rows(c.args + 1, c.size);
+  return MPI_Allgatherv(c.in, rows.counts[c.rank], row.type, c.out, rows.counts.data(),
+                        rows.displacements.data(), row.type, c.comm);
+}
+
+int ScattervWhole(const Call& c, const Chunk&) {
+  RowType row(c);
+  if (row.rc != MPI_SUCCESS) return row.rc;
+  RankCounts rows(c.args + 1, c.size);
+  return MPI_Scatterv(c.in, rows.counts.data(), rows.displacements.data(), row.type, c.out,
+                      rows.counts[c.rank], row.type, c.root, c.comm);
+}
+
+int AlltoallvWhole(const Call& c, const Chunk&) {
+  RowType row(c);
+  if (row.rc != MPI_SUCCESS) return row.rc;
+  RankCounts sends(c.args + 1, c.size), receives(c.args + 1 + c.size, c.size);
+  return MPI_Alltoallv(c.in, sends.counts.data(), sends.displacements.data(), row.type, c.out,
+                       receives.counts.data(), receives.displacements.data(), row.type, c.comm);
+}
+
+// Check mode for alltoallv, whose counts are each rank's own: rank j's send
+// count to rank r must be rank r's receive count from j.  Every rank learns
+// whether any pair disagrees, so all of them fail together.
+int VerifyPairCounts(const Call& c) {
+  std::vector<int64_t> incoming(c.size);
+  int rc = MPI_Alltoall(c.args + 1, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T, c.comm);
+  int wrong = -1;
+  for (int j = 0; rc == MPI_SUCCESS && j < c.size && wrong < 0; ++j) {
+    if (incoming[j] != c.args[1 + c.size + j]) wrong = j;
+  }
+  int any = wrong >= 0;
+  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, c.comm);
+  if (rc != MPI_SUCCESS || !any) return rc;
+  c.failure = std::string("mpicoll check mode: ") + c.name + " counts disagree on " +
+              CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "): " +
+              (wrong < 0 ? std::string("between other ranks (see their errors)")
+                         : "rank " + std::to_string(wrong) + " sends " +
+                               std::to_string(incoming[wrong]) + " rows here, but recv_counts[" +
+                               std::to_string(wrong) + "] = " +
+                               std::to_string(c.args[1 + c.size + wrong]));
+  return kCheckFailed;
+}
+
+// Point-to-point.  Each body records the source and tag it received from.
+struct Peers {
+  int source, dest, send_tag, recv_tag;
+  explicit Peers(const Call& c)
+      : source(static_cast<int>(c.args[0])), dest(static_cast<int>(c.args[1])),
+        send_tag(static_cast<int>(c.args[2])), recv_tag(static_cast<int>(c.args[3])) {}
+};
+
+// Checks for point-to-point: a communicator-wide fingerprint does not apply
+// (only two ranks take part), so with every-call checks each message is
+// preceded by a header with the sender's dtype and element count, which the
+// receiver compares with its own.  (First-run checks leave messages alone: a
+// sender's and a receiver's call sites need not run equally often, so they
+// could not agree on which messages carry a header.)
+struct Header {
+  int64_t bytes;
+  char description[120];
+};
+
+Header HeaderFor(const Call& c, size_t elements) {
+  Header h{static_cast<int64_t>(elements * c.elem_bytes), {}};
+  std::snprintf(h.description, sizeof(h.description), "%s[%zu]", DtypeName(c.dtype), elements);
+  return h;
+}
+
+// After a header mismatch: consume the message into scratch memory (so its
+// sender completes), and say what differed.
+int HeaderMismatch(const Call& c, const Header& theirs, const Header& mine, int source, int tag,
+                   const void* send, const Message* outgoing, int dest) {
+  std::vector<char> scratch(static_cast<size_t>(theirs.bytes));
+  MPI_Status status;
+  const int rc = outgoing == nullptr
+      ? MPI_Recv(scratch.data(), static_cast<int>(theirs.bytes), MPI_BYTE, source, tag, c.comm,
+                 &status)
+      : MPI_Sendrecv(send, outgoing->count, outgoing->type, dest, Peers(c).send_tag,
+                     scratch.data(), static_cast<int>(theirs.bytes), MPI_BYTE, source, tag,
+                     c.comm, &status);
+  if (rc != MPI_SUCCESS) return rc;
+  c.failure = std::string("mpicoll check mode: ") + c.name + " on rank " +
+              std::to_string(c.rank) + " of " + CommName(c.comm) + " received " +
+              theirs.description + " from rank " + std::to_string(source) + " (tag " +
+              std::to_string(tag) + ") into " + mine.description;
+  return kCheckFailed;
+}
+
+// The source and tag received from; a message shorter than the buffer fails
+// (MPI itself fails a longer one: MPI_ERR_TRUNCATE).
+int Received(const Call& c, const MPI_Status& status, const Message& expected) {
+  c.status[0] = status.MPI_SOURCE;
+  c.status[1] = status.MPI_TAG;
+  if (status.MPI_SOURCE == MPI_PROC_NULL) return MPI_SUCCESS;
+  int count = 0;
+  if (MPI_Get_count(&status, expected.type, &count) == MPI_SUCCESS && count == expected.count) {
+    return MPI_SUCCESS;
+  }
+  int bytes = 0;
+  MPI_Get_count(&status, MPI_BYTE, &bytes);
+  c.failure = std::string("mpicoll.") + c.name + " on rank " + std::to_string(c.rank) + " of " +
+              CommName(c.comm) + ": received " + std::to_string(bytes) + " bytes from rank " +
+              std::to_string(status.MPI_SOURCE) + " (tag " + std::to_string(status.MPI_TAG) +
+              "), but the buffer holds " + std::to_string(c.out_count * c.elem_bytes) +
+              " (the sender's array is smaller)";
+  return kCheckFailed;
+}
+
+int SendWhole(const Call& c, const Chunk&) {
+  const Peers p(c);
+  Message outgoing(c, c.in_count);
+  if (outgoing.rc != MPI_SUCCESS) return outgoing.rc;
+  c.status[0] = p.dest;
+  c.status[1] = p.send_tag;
+  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
+    Header mine = HeaderFor(c, c.in_count);
+    int rc = MPI_Send(&mine, sizeof(Header), MPI_BYTE, p.dest, p.send_tag, c.comm);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_Send(c.in, outgoing.count, outgoing.type, p.dest, p.send_tag, c.comm);
+}
+
+// Receives (and, with `outgoing`, sends in the same call: sendrecv).
+int ReceiveWhole(const Call& c, const Message* outgoing) {
+  const Peers p(c);
+  Message incoming(c, c.out_count);
+  if (incoming.rc != MPI_SUCCESS) return incoming.rc;
+  int source = p.source, tag = p.recv_tag;
+  MPI_Status status;
+  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
+    // The header fixes the source and tag, so that the data that follows comes
+    // from the same message pair even with ANY_SOURCE/ANY_TAG.
+    const Header mine = HeaderFor(c, c.out_count), sent = HeaderFor(c, c.in_count);
+    Header theirs{};
+    int rc = outgoing == nullptr
+        ? MPI_Recv(&theirs, sizeof(Header), MPI_BYTE, source, tag, c.comm, &status)
+        : MPI_Sendrecv(&sent, sizeof(Header), MPI_BYTE, p.dest, p.send_tag, &theirs,
+                       sizeof(Header), MPI_BYTE, source, tag, c.comm, &status);
+    if (rc != MPI_SUCCESS) return rc;
+    if (status.MPI_SOURCE != MPI_PROC_NULL) {
+      source = status.MPI_SOURCE;
+      tag = status.MPI_TAG;
+      theirs.description[sizeof(theirs.description) - 1] = '\0';
+      if (theirs.bytes != mine.bytes || std::strcmp(theirs.description, mine.description) != 0) {
+        return HeaderMismatch(c, theirs, mine, source, tag, c.in, outgoing, p.dest);
+      }
+    }
+  }
+  const int rc = outgoing == nullptr
+      ? MPI_Recv(c.out, incoming.count, incoming.type, source, tag, c.comm, &status)
+      : MPI_Sendrecv(c.in, outgoing->count, outgoing->type, p.dest, p.send_tag, c.out,
+                     incoming.count, incoming.type, source, tag, c.comm, &status);
+  if (rc != MPI_SUCCESS) return rc;
+  return Received(c, status, incoming);
+}
+
+int RecvWhole(const Call& c, const Chunk&) { return ReceiveWhole(c, nullptr); }
+
+int SendrecvWhole(const Call& c, const Chunk&) {
+  Message outgoing(c, c.in_count);
+  if (outgoing.rc != MPI_SUCCESS) return outgoing.rc;
+  return ReceiveWhole(c, &outgoing);
+}
+
+// ---------------------------------------------------------------------------
+// Each collective as a type: one row of facts plus its body.  The facts drive
+// everything generic (argument checks, check-mode descriptions, fused packing,
+// GPU staging); nothing else asks which collective it is.
+//   family         kBlocks: equal rank blocks, run in chunks (counts above
+//                  INT_MAX, the GPU pipeline), fused for pytrees;
+//                  kVector: counts per rank, the same on every rank (args);
+//                  kVectorPairs: send/recv counts of this rank (args);
+//                  kPeer: point-to-point (args: source, dest, tags)
 //   reduces        takes a reduction operator
 //   rooted         takes a root
 //   blocks_in/out  the input/output is `size` rank blocks (else one block)
@@ -702,33 +995,60 @@ void AdviseHugePages(char* data, size_t bytes) {
 //                  them (alltoall is not: MPICH's in-place alltoall measured
 //                  5.3x the out-of-place time at 64 MiB)
 //   root_input     only root's input is read (bcast, scatter)
-//   zeros_off_root the output is zeros off root (reduce, gather)
-#define MPICOLL_OPS(X)                                                                    \
-  /* Type        name         reduces rooted blocks_in blocks_out in_place root_input   \
-     zeros_off_root body */                                                              \
-  X(BcastOp,     "bcast",     false,  true,  false,    false,     true,    true,  false, \
-    BcastChunk)                                                                          \
-  X(ScatterOp,   "scatter",   false,  true,  true,     false,     false,   true,  false, \
-    ScatterChunk)                                                                        \
-  X(ReduceOp,    "reduce",    true,   true,  false,    false,     true,    false, true,  \
-    ReduceChunk)                                                                         \
-  X(AllreduceOp, "allreduce", true,   false, false,    false,     true,    false, false, \
-    AllreduceChunk)                                                                      \
-  X(GatherOp,    "gather",    false,  true,  false,    true,      false,   false, true,  \
-    GatherChunk)                                                                         \
-  X(AllgatherOp, "allgather", false,  false, false,    true,      false,   false, false, \
-    AllgatherChunk)                                                                      \
-  X(AlltoallOp,  "alltoall",  false,  false, true,     true,      false,   false, false, \
-    AlltoallChunk)
+//   zeros          where the output is zeros: kOffRoot (reduce, gather),
+//                  kOnRankZero (exscan, undefined in MPI), kFromProcNull
+//                  (a receive from MPI_PROC_NULL)
+enum Family { kBlocks, kVector, kVectorPairs, kPeer };
+enum Zeros { kNever, kOffRoot, kOnRankZero, kFromProcNull };
 
-#define MPICOLL_DEFINE_OP(Type, text, reduces, rooted, blocks_in, blocks_out, in_place,   \
-                          root_input, zeros_off_root, body)                               \
-  struct Type {                                                                          \
-    static constexpr const char* kName = text;                                           \
-    static constexpr bool kReduces = reduces, kRooted = rooted, kBlocksIn = blocks_in,   \
-                          kBlocksOut = blocks_out, kInPlace = in_place,                  \
-                          kRootInput = root_input, kZerosOffRoot = zeros_off_root;       \
-    static int Run(const Call& c, const Chunk& k) { return body(c, k); }                 \
+#define MPICOLL_OPS(X)                                                                     \
+  /* Type             name              family        reduces rooted blocks_in blocks_out \
+     in_place root_input zeros body */                                                    \
+  X(BcastOp,          "bcast",          kBlocks,      false,  true,  false,    false,     \
+    true,  true,  kNever,       BcastChunk)                                               \
+  X(ScatterOp,        "scatter",        kBlocks,      false,  true,  true,     false,     \
+    false, true,  kNever,       ScatterChunk)                                             \
+  X(ReduceOp,         "reduce",         kBlocks,      true,   true,  false,    false,     \
+    true,  false, kOffRoot,     ReduceChunk)                                              \
+  X(AllreduceOp,      "allreduce",      kBlocks,      true,   false, false,    false,     \
+    true,  false, kNever,       AllreduceChunk)                                           \
+  X(GatherOp,         "gather",         kBlocks,      false,  true,  false,    true,      \
+    false, false, kOffRoot,     GatherChunk)                                              \
+  X(AllgatherOp,      "allgather",      kBlocks,      false,  false, false,    true,      \
+    false, false, kNever,       AllgatherChunk)                                           \
+  X(AlltoallOp,       "alltoall",       kBlocks,      false,  false, true,     true,      \
+    false, false, kNever,       AlltoallChunk)                                            \
+  X(ReduceScatterOp,  "reduce_scatter", kBlocks,      true,   false, true,     false,     \
+    false, false, kNever,       ReduceScatterChunk)                                       \
+  X(ScanOp,           "scan",           kBlocks,      true,   false, false,    false,     \
+    true,  false, kNever,       ScanChunk)                                                \
+  X(ExscanOp,         "exscan",         kBlocks,      true,   false, false,    false,     \
+    true,  false, kOnRankZero,  ExscanChunk)                                              \
+  X(GathervOp,        "gatherv",        kVector,      false,  true,  false,    false,     \
+    false, false, kOffRoot,     GathervWhole)                                             \
+  X(AllgathervOp,     "allgatherv",     kVector,      false,  false, false,    false,     \
+    false, false, kNever,       AllgathervWhole)                                          \
+  X(ScattervOp,       "scatterv",       kVector,      false,  true,  false,    false,     \
+    false, true,  kNever,       ScattervWhole)                                            \
+  X(AlltoallvOp,      "alltoallv",      kVectorPairs, false,  false, false,    false,     \
+    false, false, kNever,       AlltoallvWhole)                                           \
+  X(SendOp,           "send",           kPeer,        false,  false, false,    false,     \
+    false, false, kNever,       SendWhole)                                                \
+  X(RecvOp,           "recv",           kPeer,        false,  false, false,    false,     \
+    false, false, kFromProcNull, RecvWhole)                                               \
+  X(SendrecvOp,       "sendrecv",       kPeer,        false,  false, false,    false,     \
+    false, false, kFromProcNull, SendrecvWhole)
+
+#define MPICOLL_DEFINE_OP(Type, text, family, reduces, rooted, blocks_in, blocks_out,      \
+                          in_place, root_input, zeros, body)                               \
+  struct Type {                                                                           \
+    static constexpr const char* kName = text;                                            \
+    static constexpr Family kFamily = family;                                             \
+    static constexpr bool kReduces = reduces, kRooted = rooted, kBlocksIn = blocks_in,    \
+                          kBlocksOut = blocks_out, kInPlace = in_place,                   \
+                          kRootInput = root_input, kChunked = family == kBlocks;          \
+    static constexpr Zeros kZeros = zeros;                                                \
+    static int Run(const Call& c, const Chunk& k) { return body(c, k); }                  \
   };
 MPICOLL_OPS(MPICOLL_DEFINE_OP)
 #undef MPICOLL_DEFINE_OP
@@ -743,7 +1063,35 @@ size_t BlockElements(const Call& c) { return c.in_count / RowsIn<Op>(c); }
 template <typename Op>
 bool ReadsInput(const Call& c) { return !Op::kRootInput || c.rank == c.root; }
 template <typename Op>
-bool OutputIsZeros(const Call& c) { return Op::kZerosOffRoot && c.rank != c.root; }
+bool OutputIsZeros(const Call& c) {
+  switch (Op::kZeros) {
+    case kOffRoot: return c.rank != c.root;
+    case kOnRankZero: return c.rank == 0;
+    case kFromProcNull: return Peers(c).source == MPI_PROC_NULL;
+    default: return false;
+  }
+}
+
+// The check before a call (see CheckMode and CheckSameCall).  Point-to-point
+// ops take no part (only two ranks of the communicator are in a message):
+// with every-call checks their bodies check each message instead.  alltoallv
+// also compares its counts pairwise.
+template <typename Op, typename Describe>
+ffi::Error CheckCall(const Call& c, int32_t device, Describe&& describe) {
+  if constexpr (Op::kFamily == kPeer) return ffi::Error::Success();
+  if (!NeedsCheck(c, device)) return ffi::Error::Success();
+  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, describe());
+  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
+  if constexpr (Op::kFamily == kVectorPairs) {
+    if (int rc = VerifyPairCounts(c); rc == kCheckFailed) {
+      return ffi::Error::Internal(c.failure);
+    } else if (rc != MPI_SUCCESS) {
+      return MpiFailure(c, rc);
+    }
+  }
+  MarkChecked(c, device);
+  return ffi::Error::Success();
+}
 
 // The call's communicator, root, op and MPI types, from the attributes and dtype.
 template <typename Op>
@@ -762,6 +1110,7 @@ ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int
                                        ": unsupported dtype/op");
   }
   c.elem_bytes = ffi::ByteWidth(dtype);
+  c.dtype = dtype;
   return ffi::Error::Success();
 }
 
@@ -817,12 +1166,20 @@ int RunCollective(Call& c, Memory& memory) {
   int rc = memory.template Begin<Op>(c);
   if constexpr (!Memory::kCallsMpi) return rc;  // the strategy did all of it
   const size_t block = BlockElements<Op>(c);
+  if constexpr (!Op::kChunked) {  // one MPI call on the whole buffers
+    const Chunk whole{0, 0, block};
+    if (rc == MPI_SUCCESS) rc = memory.BeforeChunk(c, whole);
+    if (rc == MPI_SUCCESS) rc = Op::Run(c, whole);
+    if (rc == MPI_SUCCESS) rc = memory.AfterChunk(c, whole);
+    const int finished = memory.template Finish<Op>(c, rc == MPI_SUCCESS);
+    return rc == MPI_SUCCESS ? finished : rc;
+  }
   const size_t step = std::max<size_t>(1, std::min(memory.ChunkElements(c, block), kMaxChunk));
   for (size_t offset = 0; rc == MPI_SUCCESS && offset < block; offset += step) {
     const Chunk k{offset, static_cast<int>(std::min(step, block - offset)), block};
     rc = memory.BeforeChunk(c, k);
     if (rc == MPI_SUCCESS) rc = Op::Run(c, k);
-    if (rc == MPI_SUCCESS && Op::kReduces) NormalizeLogical(c, k);
+    if (rc == MPI_SUCCESS && Op::kReduces) NormalizeLogical<Op>(c, k);
     if (rc == MPI_SUCCESS) rc = memory.AfterChunk(c, k);
   }
   const int finished = memory.template Finish<Op>(c, rc == MPI_SUCCESS);
@@ -834,10 +1191,14 @@ int RunCollective(Call& c, Memory& memory) {
 template <typename Op, typename Memory, typename Describe>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
   InFlightScope watched(c, device);
-  if (ffi::Error err = CheckSameCall(c, device, describe()); err.failure()) return err;
-  // Every rank has the same shapes, so an empty array skips MPI on every rank.
-  if (c.in_count == 0 && c.out_count == 0) return ffi::Error::Success();
+  if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
+  // Rank blocks have the same shapes on every rank, so an empty array skips MPI
+  // on every rank (counts and messages may be empty on one rank only).
+  if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {
+    return ffi::Error::Success();
+  }
   const int rc = RunCollective<Op>(c, memory);
+  if (rc == kCheckFailed) return ffi::Error::Internal(c.failure);
   if (rc == kTransportFailed) {
     return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on rank " +
                                 std::to_string(c.rank) + ": " + memory.error);
@@ -849,11 +1210,23 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe)
 template <typename Op>
 ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out,
                         int32_t device, int64_t comm_slot, int64_t root, int64_t op,
-                        int64_t site) {
+                        int64_t site, ffi::Span<const int64_t> args) {
   if (ffi::Error err = Prepare<Op>(c, device, comm_slot, root, op, site, x.element_type());
       err.failure()) {
     return err;
   }
+  // Python always passes what the family needs; this guards direct misuse.
+  const size_t needed = Op::kFamily == kPeer ? 4
+                        : Op::kFamily == kVector ? 1 + static_cast<size_t>(c.size)
+                        : Op::kFamily == kVectorPairs ? 1 + 2 * static_cast<size_t>(c.size)
+                        : 0;
+  if (args.size() != needed) {
+    return ffi::Error::InvalidArgument(std::string("mpicoll.") + Op::kName + ": expected " +
+                                       std::to_string(needed) + " args, got " +
+                                       std::to_string(args.size()));
+  }
+  c.args = args.begin();
+  c.nargs = args.size();
   c.in = static_cast<char*>(x.untyped_data());
   c.out = static_cast<char*>(out->untyped_data());
   c.in_count = x.element_count();
@@ -861,22 +1234,62 @@ ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>&
   return ffi::Error::Success();
 }
 
+// Vector ops: the leading axis is this rank's count (it differs between
+// ranks), so the description has the row shape and, where they are the same
+// on every rank, the counts.
 template <typename Op>
 std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
+  if constexpr (Op::kFamily == kVector || Op::kFamily == kVectorPairs) {
+    auto dims = x.dimensions();
+    std::string text = Describe(c, x.element_type(), dims.last(dims.size() - 1), Op::kReduces,
+                                Op::kRooted);
+    text.insert(text.find('[') + 1, dims.size() > 1 ? "*," : "*");
+    if constexpr (Op::kFamily == kVector) {
+      text.pop_back();
+      text += ", counts=(";
+      for (size_t r = 1; r < c.nargs; ++r) text += (r > 1 ? "," : "") + std::to_string(c.args[r]);
+      text += "))";
+    }
+    return text;
+  }
   return Describe(c, x.element_type(), x.dimensions(), Op::kReduces, Op::kRooted);
+}
+
+// The source and tag each local device's last point-to-point call received
+// from (send: its dest and tag), read by the status handler that follows it in
+// program order.
+int32_t last_status[kMaxLocalDevices][2];
+
+template <typename Op>
+void RecordStatus(const Call& c, int32_t device) {
+  if constexpr (Op::kFamily == kPeer) {
+    last_status[device][0] = c.status[0];
+    last_status[device][1] = c.status[1];
+  }
 }
 
 template <typename Op>
 ffi::Error CpuEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
-                    int64_t root, int64_t op, int64_t site) {
+                    int64_t root, int64_t op, int64_t site, ffi::Span<const int64_t> args) {
   Call c{};
-  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site);
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site, args);
       err.failure()) {
     return err;
   }
   HostMemory memory;
-  return Execute<Op>(c, device, memory, [&] { return DescribeArray<Op>(c, x); });
+  ffi::Error err = Execute<Op>(c, device, memory, [&] { return DescribeArray<Op>(c, x); });
+  if (err.success()) RecordStatus<Op>(c, device);
+  return err;
+}
+
+ffi::Error CpuStatusEntry(ffi::Token, ffi::Result<ffi::Token>,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out, int32_t device) {
+  if (device < 0 || device >= kMaxLocalDevices || out->element_count() != 2) {
+    return ffi::Error::InvalidArgument("mpicoll status: bad device or output shape");
+  }
+  std::memcpy(out->typed_data(), last_status[device], sizeof(last_status[device]));
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------
@@ -1023,7 +1436,8 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
       .Attr<int64_t>("op")                                                             \
-      .Attr<int64_t>("site")
+      .Attr<int64_t>("site")                                                         \
+      .Attr<ffi::Span<const int64_t>>("args")
 #define MPICOLL_FUSED_BINDING(Extra)                                                   \
   ffi::Ffi::Bind()                                                                     \
       .Arg<ffi::Token>()                                                               \
@@ -1054,16 +1468,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("site"));
 
+#define MPICOLL_STATUS_BINDING(Extra)                                                  \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .Ret<ffi::Token>()                                                               \
+      .Ret<ffi::Buffer<ffi::S32>>() Extra                                              \
+      .Ctx<ffi::DeviceOrdinal>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuStatusHandler, CpuStatusEntry,
+                              MPICOLL_STATUS_BINDING(MPICOLL_NO_CONTEXT));
+
 struct Registration {
   std::string name;
   XLA_FFI_Handler* handler;
 };
 
-#define MPICOLL_CPU_REGISTRATION(Type, text, ...) \
-  {std::string("mpicoll_") + text, CpuData_##Type}, \
-  {std::string("mpicoll_") + text + "_fused", CpuFused_##Type},
+// Every op's handler, and the fused one for the rank-block family (pytrees).
+#define MPICOLL_REGISTRATION(Platform, Type, text)                                    \
+  registrations.push_back({std::string("mpicoll_") + text, Platform##Data_##Type});   \
+  if (Type::kFamily == kBlocks) {                                                      \
+    registrations.push_back({std::string("mpicoll_") + text + "_fused",                \
+                             Platform##Fused_##Type});                                 \
+  }
+#define MPICOLL_CPU_REGISTRATION(Type, text, ...) MPICOLL_REGISTRATION(Cpu, Type, text)
 std::vector<Registration> CpuRegistrations() {
-  return {MPICOLL_OPS(MPICOLL_CPU_REGISTRATION){"mpicoll_barrier", BarrierHandler}};
+  std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
+                                          {"mpicoll_status", CpuStatusHandler}};
+  MPICOLL_OPS(MPICOLL_CPU_REGISTRATION)
+  return registrations;
 }
 #undef MPICOLL_CPU_REGISTRATION
 

@@ -23,7 +23,8 @@
   X(cuInit) X(cuGetErrorString) X(cuDriverGetVersion) X(cuDeviceGetCount)             \
   X(cuStreamGetCtx) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuStreamSynchronize)     \
   X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize) X(cuMemcpyAsync)            \
-  X(cuMemcpy2DAsync) X(cuMemsetD8Async) X(cuMemHostAlloc) X(cuMemFreeHost)
+  X(cuMemcpy2DAsync) X(cuMemsetD8Async) X(cuMemsetD32Async) X(cuMemHostAlloc)         \
+  X(cuMemFreeHost)
 
 // cuda.h maps names to versioned symbols (cuMemcpy2DAsync -> cuMemcpy2DAsync_v2);
 // expanding before stringizing looks up the symbol the header means.
@@ -222,9 +223,10 @@ class StagedMemory {
     block_ = BlockElements<Op>(c);
     copy_in_ = ReadsInput<Op>(c);
     copy_out_ = !OutputIsZeros<Op>(c);
+    whole_ = !Op::kChunked;  // one MPI call: everything in before, everything out after
     const size_t rows = std::max(rows_in_, rows_out_);
     const size_t chunk_bytes = gpu_chunk_bytes.load(std::memory_order_relaxed);
-    step_ = chunk_bytes == 0 ? block_
+    step_ = chunk_bytes == 0 || whole_ ? block_
                              : std::max<size_t>(1, chunk_bytes / (rows * elem_bytes_));
     int rc = staging_.Reserve(0, c.in_count * c.elem_bytes, error);
     if (rc == MPI_SUCCESS && !Op::kInPlace) rc = staging_.Reserve(1, out_bytes_, error);
@@ -245,7 +247,7 @@ class StagedMemory {
   int BeforeChunk(const Call&, const Chunk& k) {
     if (!copy_in_) return MPI_SUCCESS;
     const size_t next = k.offset + k.count;
-    if (next < block_) {
+    if (!whole_ && next < block_) {
       if (int rc = CopyIn(next, std::min(step_, block_ - next), chunk_ + 1); rc != MPI_SUCCESS) {
         return rc;
       }
@@ -256,6 +258,8 @@ class StagedMemory {
 
   int AfterChunk(const Call&, const Chunk& k) {
     if (!copy_out_) return MPI_SUCCESS;
+    if (whole_) return CudaCopy2D(stream_, error, device_out_, out_bytes_, host_out_, out_bytes_,
+                                  out_bytes_, 1);
     const size_t at = k.offset * elem_bytes_, pitch = block_ * elem_bytes_;
     return CudaCopy2D(stream_, error, device_out_ + at, pitch, host_out_ + at, pitch,
                       k.count * elem_bytes_, rows_out_);
@@ -286,7 +290,7 @@ class StagedMemory {
   char *device_in_ = nullptr, *device_out_ = nullptr, *host_in_ = nullptr, *host_out_ = nullptr;
   size_t out_bytes_ = 0, elem_bytes_ = 0, rows_in_ = 1, rows_out_ = 1, block_ = 0, step_ = 0;
   size_t chunk_ = 0;
-  bool copy_in_ = true, copy_out_ = true;
+  bool copy_in_ = true, copy_out_ = true, whole_ = false;
 };
 
 // CUDA-aware MPI: XLA's device pointers go to MPI once the stream has
@@ -319,7 +323,8 @@ class CudaAwareMemory : public WholeBuffers {
 
 // A communicator of one rank: every collective's output holds its input's
 // bytes (bcast, reduce, allreduce, alltoall keep the shape; scatter drops and
-// gather/allgather add a leading axis of 1), so the collective is one copy on
+// gather/allgather add a leading axis of 1; the vector ops' counts are the
+// whole array), or zeros (exscan), so the collective is one copy on
 // the GPU, or nothing where XLA gave both the same buffer.  Staging it through
 // host memory would only cost two copies across PCIe.
 class SingleRankMemory : public WholeBuffers {
@@ -330,6 +335,7 @@ class SingleRankMemory : public WholeBuffers {
 
   template <typename Op>
   int Begin(Call& c) {
+    if (OutputIsZeros<Op>(c)) return ZeroOnStream(stream_, error, c.out, c.out_count * c.elem_bytes);
     if (InPlace(c)) return MPI_SUCCESS;
     return CopyOnStream(stream_, error, c.out, c.in, c.out_count * c.elem_bytes);
   }
@@ -345,23 +351,15 @@ ffi::Error CudaScopeError(const Call& c, const CudaScope& scope) {
 }
 
 template <typename Op>
-ffi::Error CudaEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> out, CUstream stream, int32_t device,
-                     int64_t comm_slot, int64_t root, int64_t op, int64_t site) {
-  Call c{};
-  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site);
-      err.failure()) {
-    return err;
-  }
-  CudaScope scope(stream);
-  if (!scope.error.empty()) return CudaScopeError(c, scope);
+ffi::Error CudaExecute(Call& c, const ffi::AnyBuffer& x, CUstream stream, int32_t device) {
   auto describe = [&] { return DescribeArray<Op>(c, x); };
-  // The 0/1 fix-up of logical ops on one rank runs on host bytes: staged.
-  if (c.size == 1 && !NeedsTruthValues(c)) {
+  // The 0/1 fix-up of logical ops runs on host bytes: staged.  Point-to-point
+  // on one rank is a message to itself, not a copy.
+  if (c.size == 1 && Op::kFamily != kPeer && !NeedsTruthValues<Op>(c)) {
     SingleRankMemory memory(stream);
     return Execute<Op>(c, device, memory, describe);
   }
-  if (gpu_transport.load(std::memory_order_relaxed) == kCudaAware && !NeedsTruthValues(c)) {
+  if (gpu_transport.load(std::memory_order_relaxed) == kCudaAware && !NeedsTruthValues<Op>(c)) {
     CudaAwareMemory memory(stream);
     return Execute<Op>(c, device, memory, describe);
   }
@@ -369,6 +367,41 @@ ffi::Error CudaEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   std::lock_guard<std::mutex> lock(staging.mutex);
   StagedMemory memory(staging, stream);
   return Execute<Op>(c, device, memory, describe);
+}
+
+template <typename Op>
+ffi::Error CudaEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                     ffi::Result<ffi::AnyBuffer> out, CUstream stream, int32_t device,
+                     int64_t comm_slot, int64_t root, int64_t op, int64_t site,
+                     ffi::Span<const int64_t> args) {
+  Call c{};
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site, args);
+      err.failure()) {
+    return err;
+  }
+  CudaScope scope(stream);
+  if (!scope.error.empty()) return CudaScopeError(c, scope);
+  ffi::Error err = CudaExecute<Op>(c, x, stream, device);
+  if (err.success()) RecordStatus<Op>(c, device);
+  return err;
+}
+
+// The status of the last point-to-point call, written to the GPU on the stream.
+ffi::Error CudaStatusEntry(ffi::Token, ffi::Result<ffi::Token>,
+                           ffi::Result<ffi::Buffer<ffi::S32>> out, CUstream stream,
+                           int32_t device) {
+  if (device < 0 || device >= kMaxLocalDevices || out->element_count() != 2) {
+    return ffi::Error::InvalidArgument("mpicoll status: bad device or output shape");
+  }
+  CudaScope scope(stream);
+  if (!scope.error.empty()) return ffi::Error::Internal("mpicoll status on a GPU: " + scope.error);
+  const CUdeviceptr words = reinterpret_cast<CUdeviceptr>(out->typed_data());
+  for (int i = 0; i < 2; ++i) {
+    CUresult r = Driver().cuMemsetD32Async(
+        words + i * sizeof(int32_t), static_cast<unsigned int>(last_status[device][i]), 1, stream);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal(CudaErrorText("cuMemsetD32Async", r));
+  }
+  return ffi::Error::Success();
 }
 
 // Fused calls always stage: their arrays are small (Python fuses only arrays
@@ -432,11 +465,15 @@ ffi::Error CudaFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::To
 MPICOLL_OPS(MPICOLL_CUDA_HANDLERS)
 #undef MPICOLL_CUDA_HANDLERS
 
-#define MPICOLL_CUDA_REGISTRATION(Type, text, ...)    \
-  {std::string("mpicoll_") + text, CudaData_##Type}, \
-  {std::string("mpicoll_") + text + "_fused", CudaFused_##Type},
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaStatusHandler, CudaStatusEntry,
+                              MPICOLL_STATUS_BINDING(MPICOLL_CUDA_CONTEXT));
+
+#define MPICOLL_CUDA_REGISTRATION(Type, text, ...) MPICOLL_REGISTRATION(Cuda, Type, text)
 std::vector<Registration> CudaRegistrations() {
-  return {MPICOLL_OPS(MPICOLL_CUDA_REGISTRATION){"mpicoll_barrier", BarrierHandler}};
+  std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
+                                          {"mpicoll_status", CudaStatusHandler}};
+  MPICOLL_OPS(MPICOLL_CUDA_REGISTRATION)
+  return registrations;
 }
 #undef MPICOLL_CUDA_REGISTRATION
 

@@ -91,6 +91,21 @@ check("pmap per-device alltoall", local_pmap(lambda v: mpicoll.alltoall(v))(A[MI
       np.stack([ablocks[:, k, RANK] for k in range(LOCAL)]))
 check("pmap per-device scatter", local_pmap(lambda v: mpicoll.scatter(v, 0))(A[MINE]),
       np.stack([ablocks[0, k, RANK] for k in range(LOCAL)]))
+check("pmap per-device reduce_scatter", local_pmap(lambda v: mpicoll.reduce_scatter(v))(A[MINE]),
+      np.stack([ablocks[:, k, RANK].sum(0) for k in range(LOCAL)]))
+check("shard_map per-device scan", local_shard_map(squeeze(mpicoll.scan))(X[MINE]),
+      np.stack([groups[:RANK + 1, k].sum(0) for k in range(LOCAL)]))
+
+# Point-to-point per device: a ring over the ranks on each device's communicator,
+# with the status of each device's own receive.
+LEFT, RIGHT = (RANK - 1) % SIZE, (RANK + 1) % SIZE
+ring = local_pmap(lambda v: mpicoll.sendrecv(v, LEFT, RIGHT, sendtag=5, return_status=True))
+moved, sources, tags = ring(X[MINE])
+check("pmap per-device sendrecv", moved, groups[LEFT])
+check("pmap per-device sendrecv status", np.stack([sources, tags], 1),
+      np.tile([LEFT, 5], (LOCAL, 1)))
+check("shard_map per-device sendrecv",
+      local_shard_map(squeeze(lambda v: mpicoll.sendrecv(v, LEFT, RIGHT)))(X[MINE]), groups[LEFT])
 
 # Pytrees: every device thread packs its own fused message at the same time.
 Y = data((2, 2), seed=3)
@@ -123,6 +138,15 @@ for name, (ours, theirs) in lax_ops.items():
     check(f"pmap vmap global {name}", local_pmap(jax.vmap(ours))(G[MINE]),
           reference_pmap(jax.vmap(theirs))(G)[MINE])
 B = data((PARTICIPANTS, 2), seed=3)
+check("pmap global reduce_scatter",
+      local_pmap(lambda v: mpicoll.reduce_scatter(v, axis_name="i"))(B[MINE]),
+      reference_pmap(lambda v: lax.psum_scatter(v, "i"))(B)[MINE])
+check("shard_map global reduce_scatter",
+      local_shard_map(squeeze(lambda v: mpicoll.reduce_scatter(v, axis_name="i")))(B[MINE]),
+      reference_shard_map(squeeze(lambda v: lax.psum_scatter(v, "i")))(B)[MINE])
+check("pmap global reduce_scatter max",
+      local_pmap(lambda v: mpicoll.reduce_scatter(v, "max", axis_name="i"))(B[MINE]),
+      reference_pmap(lambda v: lax.pmax(v, "i")[lax.axis_index("i")])(B)[MINE])
 check("pmap global alltoall", local_pmap(lambda v: mpicoll.alltoall(v, axis_name="i"))(B[MINE]),
       reference_pmap(lambda v: lax.all_to_all(v, "i", 0, 0))(B)[MINE])
 check("shard_map global alltoall",
@@ -161,6 +185,17 @@ for name, mark in (("allreduce-sum", mpicoll.pvary), ("allgather", lambda y: y),
     check(f"shard_map grad global {name}, per-participant use",
           shard_grad(weighted(ours, mark), LOCAL_MESH)(G[MINE], W[MINE]),
           shard_grad(weighted(theirs), GLOBAL_MESH)(G, W)[MINE])
+
+check("pmap grad global reduce_scatter",
+      local_pmap(jax.grad(lambda v, w: jnp.sum(jnp.sin(mpicoll.reduce_scatter(v, axis_name="i"))
+                                                * w.sum())))(B[MINE], W[MINE, 0]),
+      reference_pmap(jax.grad(lambda v, w: jnp.sum(jnp.sin(lax.psum_scatter(v, "i"))
+                                                   * w.sum())))(B, W[:, 0])[MINE])
+check("shard_map grad global reduce_scatter",
+      shard_grad(lambda v, w: jnp.sum(jnp.sin(mpicoll.reduce_scatter(v, axis_name="i")) * w.sum()),
+                 LOCAL_MESH)(B[MINE], W[MINE, 0]),
+      shard_grad(lambda v, w: jnp.sum(jnp.sin(lax.psum_scatter(v, "i")) * w.sum()),
+                 GLOBAL_MESH)(B, W[:, 0])[MINE])
 
 # A parameter replicated over every participant (in_specs P()) used with each
 # participant's data: JAX sums the local devices' cotangents; mpicoll.pvary adds

@@ -128,6 +128,19 @@ def hang():
     say(f"rank {RANK}: the allreduce returned (it must not)")
 
 
+def recv_never_sent():
+    """Rank 0 waits for a message rank 1 never sends (point-to-point is watched too)."""
+    receive = jax.jit(lambda x: mpicoll.recv(x, 1, tag=3))
+    mpicoll.barrier()
+    if RANK == 1:
+        event("sleep")
+        time.sleep(120)  # never sends; the test's own timeout is the backstop
+        return
+    event("wait")
+    receive(jnp.ones(3)).block_until_ready()
+    say(f"rank {RANK}: the recv returned (it must not)")
+
+
 def first_use():
     fresh = WORLD.Dup()
     fresh.Set_name("fresh")
@@ -162,7 +175,8 @@ def sigkill():
 
 SCENARIOS = {"raise": raise_on_rank_1, "raise-in-thread": raise_in_a_thread_on_rank_1,
              "check": check, "check-uncaught": check_uncaught,
-             "hang": hang, "first-use": first_use, "sigkill": sigkill}
+             "hang": hang, "first-use": first_use, "sigkill": sigkill,
+             "recv-never-sent": recv_never_sent}
 
 if __name__ == "__main__":
     say(f"pid {RANK} {os.getpid()}")

@@ -1,0 +1,255 @@
+"""Point-to-point: send, recv and sendrecv as ordered primitives.
+
+They are specs of the shared mechanism (collectives._make_primitive), family
+"peer": the handler reads [source, dest, send tag, recv tag] from `args`.  They
+carry the same ordered MPI effect as the collectives, so on every rank MPI
+sees them in program order, also under jit and in loops.  That is the whole
+deadlock-freedom rule: a blocking MPI_Send may wait until its receive is
+posted, so each rank's program must post sends and receives in an order that
+matches its peers' (or use sendrecv, which does both at once).
+
+The source and tag a receive matched (ANY_SOURCE, ANY_TAG) are kept per local
+device by the handler and read by `status_p`, an ordered call placed right
+after it (return_status=True).
+
+Autodiff: sendrecv is linear, and its transpose is the reverse sendrecv
+(source and dest swapped).  send and recv alone are not differentiable: the
+receiving rank has no tangent input, so the tangent messages would not match.
+"""
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from mpi4py import MPI
+
+from . import _compat, _dtypes_and_ops, collectives
+from .collectives import Collective, mpi_effect
+
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+PROC_NULL = MPI.PROC_NULL
+TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the same bound on every communicator
+
+
+def _static_int(value, name, caller):
+    try:
+        return operator.index(value)
+    except TypeError:
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(f"mpicoll.{caller}: {name} must be a static int, but it is traced "
+                            "(an argument of a jitted function?): MPI needs it when the program "
+                            "is compiled; make it static (jax.jit(f, static_argnums=...)) or "
+                            "close over it") from None
+        raise TypeError(f"mpicoll.{caller}: {name} must be an int, got "
+                        f"{type(value).__name__}") from None
+
+
+def _rank_arg(value, name, info, caller, any_source=False):
+    value = _static_int(value, name, caller)
+    if value == PROC_NULL or (any_source and value == ANY_SOURCE) or 0 <= value < info.size:
+        return value
+    allowed = "mpicoll.PROC_NULL" + (", mpicoll.ANY_SOURCE" if any_source else "")
+    raise ValueError(f"mpicoll.{caller}: {name}={value} is out of range for a communicator of "
+                     f"size {info.size} (a rank 0..{info.size - 1}, or {allowed})")
+
+
+def _tag_arg(value, name, caller, any_tag=False):
+    value = _static_int(value, name, caller)
+    if 0 <= value <= TAG_UB or (any_tag and value == ANY_TAG):
+        return value
+    allowed = " or mpicoll.ANY_TAG" if any_tag else ""
+    raise ValueError(f"mpicoll.{caller}: {name}={value} is out of range (0..{TAG_UB}{allowed})")
+
+
+def _shape_arg(shape, caller):
+    try:
+        shape = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"mpicoll.{caller}: the receive shape must be a tuple of ints, "
+                        f"got {shape!r}") from None
+    if any(d < 0 for d in shape):
+        raise ValueError(f"mpicoll.{caller}: negative dimension in the receive shape {shape}")
+    return shape
+
+
+# ---------------------------------------------------------------------------
+# The specs.  Their output is the received array (send: an empty placeholder).
+
+def _check_send(x, info, dest, tag):
+    return dict(ffi_args=(PROC_NULL, _rank_arg(dest, "dest", info, "send"),
+                          _tag_arg(tag, "tag", "send"), 0))
+
+
+def _check_recv(x, info, source, tag, shape):
+    return dict(ffi_args=(_rank_arg(source, "source", info, "recv", any_source=True),
+                          PROC_NULL, 0, _tag_arg(tag, "tag", "recv", any_tag=True)),
+                recv_shape=_shape_arg(shape, "recv"))
+
+
+def _check_sendrecv(x, info, source, dest, sendtag, recvtag, shape):
+    return dict(ffi_args=(_rank_arg(source, "source", info, "sendrecv", any_source=True),
+                          _rank_arg(dest, "dest", info, "sendrecv"),
+                          _tag_arg(sendtag, "sendtag", "sendrecv"),
+                          _tag_arg(recvtag, "recvtag", "sendrecv", any_tag=True)),
+                recv_shape=_shape_arg(shape, "sendrecv"), send_shape=tuple(x.shape))
+
+
+def _batch_first(x, dim):
+    return jnp.moveaxis(x, dim, 0)  # the message is the whole batch, batch axis first
+
+
+def _send_batch(x, dim, params):
+    return _batch_first(x, dim), params, None  # the placeholder output is not batched
+
+
+def _sendrecv_batch(x, dim, params):
+    x = _batch_first(x, dim)
+    batch = x.shape[0]
+    return x, {**params, "recv_shape": (batch, *params["recv_shape"]),
+               "send_shape": tuple(x.shape)}, 0
+
+
+def _reverse_sendrecv(ct, params):
+    """The transpose: each message travels back, from its receiver to its sender."""
+    source, dest, sendtag, recvtag = params["ffi_args"]
+    if source == ANY_SOURCE:
+        raise NotImplementedError("mpicoll.sendrecv: cannot transpose a receive from "
+                                  "ANY_SOURCE (the reverse message needs a definite dest)")
+    # The reverse receive takes any tag from the (definite) reverse source.
+    reverse = (dest, source, recvtag if recvtag != ANY_TAG else sendtag, ANY_TAG)
+    return collectives._run("sendrecv", ct, params, ffi_args=reverse,
+                            recv_shape=params["send_shape"], send_shape=params["recv_shape"])
+
+
+def _not_linear(ct, params):
+    raise NotImplementedError("unreachable: send/recv have no JVP")
+
+
+_NOT_DIFFERENTIABLE = ("send and recv are not differentiable (the receiving rank has no "
+                       "tangent input, so tangent messages would not match); use sendrecv, "
+                       "whose transpose is the reverse sendrecv")
+
+SEND = collectives.register(Collective(
+    "send",
+    out_shape=lambda shape, params: (0,),
+    transpose=_not_linear,
+    family="peer",
+    check=_check_send,
+    batch=_send_batch,
+    not_differentiable=_NOT_DIFFERENTIABLE,
+))
+
+RECV = collectives.register(Collective(
+    "recv",
+    out_shape=lambda shape, params: params["recv_shape"],
+    transpose=_not_linear,
+    family="peer",
+    check=_check_recv,
+    not_differentiable=_NOT_DIFFERENTIABLE,
+))
+
+SENDRECV = collectives.register(Collective(
+    "sendrecv",
+    out_shape=lambda shape, params: params["recv_shape"],
+    transpose=_reverse_sendrecv,
+    family="peer",
+    check=_check_sendrecv,
+    batch=_sendrecv_batch,
+))
+
+
+# ---------------------------------------------------------------------------
+# The status of the last receive on this device: int32 [source, tag].
+
+status_p = Primitive("mpicoll_status")
+status_p.def_impl(lambda: _compat.apply_primitive(status_p))
+status_p.def_effectful_abstract_eval(
+    lambda: (_compat.ShapedArray((2,), np.dtype(np.int32)), {mpi_effect}))
+
+
+def _status_lowering(ctx):
+    token = _compat.token_in(ctx, mpi_effect)
+    token, status = jax.ffi.ffi_lowering("mpicoll_status", has_side_effect=True)(
+        _compat.with_token_avals(ctx), token)
+    _compat.set_token_out(ctx, mpi_effect, token)
+    return [status]
+
+
+collectives._register_lowerings(status_p, _status_lowering)
+
+
+def _with_status(out, return_status):
+    if not return_status:
+        return out
+    status = status_p.bind()
+    return out, status[0], status[1]
+
+
+def _plain(value):
+    """A concrete integer array (e.g. a received source) as an int, for the eager cache key."""
+    if isinstance(value, (jax.Array, np.ndarray, np.integer)) and not isinstance(
+            value, jax.core.Tracer):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass  # the check reports it
+    return value
+
+
+def _template(template, caller):
+    shape, dtype = getattr(template, "shape", None), getattr(template, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"mpicoll.{caller}: the template must have .shape and .dtype (an "
+                        f"array or jax.ShapeDtypeStruct), got {type(template).__name__}")
+    dtype = np.dtype(dtype)
+    if dtype not in _dtypes_and_ops.DTYPE_FAMILIES:
+        raise TypeError(f"mpicoll.{caller}: the template has unsupported dtype {dtype}; "
+                        f"supported dtypes: {', '.join(map(str, _dtypes_and_ops.DTYPE_FAMILIES))}")
+    return _shape_arg(shape, caller), dtype
+
+
+# ---------------------------------------------------------------------------
+# Public API (mpi4py's names and argument order).
+
+def send(x, dest, tag=0, *, comm=None):
+    """Send x to rank dest (MPI_Send), in program order. Returns None."""
+    collectives._bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
+
+
+def recv(template, source, tag=0, *, comm=None, return_status=False):
+    """Receive an array shaped like template from source (MPI_Recv).
+
+    source may be ANY_SOURCE, tag ANY_TAG; template is an array or a
+    jax.ShapeDtypeStruct.  return_status=True returns (x, source, tag), the
+    last two int32 scalars saying which message was received.  A receive from
+    PROC_NULL returns zeros.
+    """
+    shape, dtype = _template(template, "recv")
+    out = collectives._bind(RECV, jnp.zeros((0,), dtype), comm=comm,
+                            static=(("source", _plain(source)), ("tag", _plain(tag)),
+                                    ("shape", shape)))
+    return _with_status(out, return_status)
+
+
+def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_like=None,
+             return_status=False):
+    """Send x to dest and receive from source in one call (MPI_Sendrecv).
+
+    The received array has x's shape, or recv_like's (an array or
+    jax.ShapeDtypeStruct of x's dtype).  return_status=True returns
+    (x, source, tag) as for recv.
+    """
+    x = collectives._as_array(x, "sendrecv")
+    shape = tuple(x.shape)
+    if recv_like is not None:
+        shape, dtype = _template(recv_like, "sendrecv")
+        if dtype != x.dtype:
+            raise TypeError(f"mpicoll.sendrecv: recv_like has dtype {dtype}, but x has "
+                            f"{x.dtype}; both sides of a sendrecv move one dtype")
+    out = collectives._bind(SENDRECV, x, comm=comm, static=(
+        ("source", _plain(source)), ("dest", _plain(dest)), ("sendtag", _plain(sendtag)),
+        ("recvtag", _plain(recvtag)), ("shape", shape)))
+    return _with_status(out, return_status)
