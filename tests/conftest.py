@@ -382,3 +382,16 @@ def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO):
     seconds = time.monotonic() - start
     return MPIRun(subprocess.CompletedProcess(command, process.returncode, stdout, stderr),
                   seconds, time.time())
+
+
+_SESSION_CHECK_MODE = mpicoll.check_mode()  # first-run unless MPICOLL_CHECK says otherwise
+
+
+@pytest.fixture(autouse=True)
+def _check_mode_restored():
+    """A test that changes the check mode must restore it (later tests rely on it)."""
+    yield
+    left = mpicoll.check_mode()
+    if left != _SESSION_CHECK_MODE:
+        mpicoll.set_check_mode(_SESSION_CHECK_MODE)
+        pytest.fail(f"the test left the check mode at {left!r} (restore the previous mode)")

@@ -237,7 +237,7 @@ def test_a_wrong_row_count_on_one_rank_raises_on_every_rank():
 def test_check_mode_sees_alltoallv_counts_that_do_not_pair_up():
     """Rank 0 expects one row too many from rank 1: every rank raises; the call does not run."""
     recvs = tuple(c + (1 if RANK == 0 and j == 1 else 0) for j, c in enumerate(SENDS))
-    mpicoll.set_check_mode(True)
+    previous_check = mpicoll.set_check_mode(True)
     try:
         with pytest.raises(Exception, match="alltoallv counts disagree") as error:
             jax.block_until_ready(mpicoll.alltoallv(jnp.ones(sum(SENDS)), SENDS, recvs))
@@ -252,7 +252,7 @@ def test_check_mode_sees_alltoallv_counts_that_do_not_pair_up():
         fn, x = vector_call("gatherv", np.float32, 52, 0)
         out = fn(x)  # matching calls pass, and the ranks are still in step
     finally:
-        mpicoll.set_check_mode(False)
+        mpicoll.set_check_mode(previous_check)
     assert_same(out, expected_vector("gatherv", np.float32, 52, 0))
 
 

@@ -180,16 +180,16 @@ def test_short_and_mismatched_messages_raise_on_the_receiver():
         pass  # no partner: only the closing ring
     elif RANK % 2 == 0:
         mpicoll.send(jnp.ones(2, jnp.float32), PARTNER)
-        mpicoll.set_check_mode(True)
+        previous_check = mpicoll.set_check_mode(True)
         try:
             mpicoll.send(jnp.ones(4, jnp.int32), PARTNER)
         finally:
-            mpicoll.set_check_mode(False)
+            mpicoll.set_check_mode(previous_check)
     else:
         with pytest.raises(Exception, match=r"received 8 bytes from rank \d+ \(tag 0\), but the "
                                             r"buffer holds 16"):
             mpicoll.recv(jnp.ones(4, jnp.float32), PARTNER)
-        mpicoll.set_check_mode(True)
+        previous_check = mpicoll.set_check_mode(True)
         try:
             with pytest.raises(Exception, match=r"mpicoll check mode: recv on rank \d+ of "
                                                 r"mpicoll:MPI_COMM_WORLD:device0 received "
@@ -197,17 +197,17 @@ def test_short_and_mismatched_messages_raise_on_the_receiver():
                                                 r"float32\[4\]"):
                 mpicoll.recv(jnp.ones(4, jnp.float32), PARTNER)
         finally:
-            mpicoll.set_check_mode(False)
+            mpicoll.set_check_mode(previous_check)
     # Everyone is still in step.
     out = mpicoll.sendrecv(jnp.int32(RANK), LEFT, RIGHT)
     assert int(out) == LEFT
 
 
 def test_check_mode_passes_matching_messages():
-    mpicoll.set_check_mode(True)
+    previous_check = mpicoll.set_check_mode(True)
     try:
         out, source, tag = jax.jit(lambda a: mpicoll.sendrecv(
             a, mpicoll.ANY_SOURCE, RIGHT, sendtag=4, return_status=True))(jnp.float32(RANK))
     finally:
-        mpicoll.set_check_mode(False)
+        mpicoll.set_check_mode(previous_check)
     assert (float(out), int(source), int(tag)) == (LEFT, LEFT, 4)
