@@ -460,17 +460,22 @@ def _as_array(x, caller):
                         f"got {type(x).__name__}") from error
 
 
-def _check_root(root, size, caller, among=None):
+def static_int(value, name, caller):
+    """value as an int known when the program is compiled (a root, a peer, a tag)."""
     try:
-        root = operator.index(root)
+        return operator.index(value)
     except TypeError:
-        if isinstance(root, jax.core.Tracer):
-            raise TypeError(f"mpicoll.{caller}: root must be a static int, but it is traced "
-                            "(an argument of a jitted function?): MPI needs the root when the "
-                            "program is compiled; make it static (jax.jit(f, static_argnums=...)"
-                            " or static_argnames) or close over it") from None
-        raise TypeError(f"mpicoll.{caller}: root must be an int, got {type(root).__name__}") \
-            from None
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(f"mpicoll.{caller}: {name} must be a static int, but it is traced "
+                            "(an argument of a jitted function?): MPI needs it when the program "
+                            "is compiled; make it static (jax.jit(f, static_argnums=...) or "
+                            "static_argnames) or close over it") from None
+        raise TypeError(f"mpicoll.{caller}: {name} must be an int, got "
+                        f"{type(value).__name__}") from None
+
+
+def _check_root(root, size, caller, among=None):
+    root = static_int(root, "root", caller)
     if not 0 <= root < size:
         among = among or f"a communicator of size {size}"
         raise ValueError(f"mpicoll.{caller}: root={root} is out of range for {among}")

@@ -34,21 +34,8 @@ PROC_NULL = MPI.PROC_NULL
 TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the same bound on every communicator
 
 
-def _static_int(value, name, caller):
-    try:
-        return operator.index(value)
-    except TypeError:
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(f"mpicoll.{caller}: {name} must be a static int, but it is traced "
-                            "(an argument of a jitted function?): MPI needs it when the program "
-                            "is compiled; make it static (jax.jit(f, static_argnums=...)) or "
-                            "close over it") from None
-        raise TypeError(f"mpicoll.{caller}: {name} must be an int, got "
-                        f"{type(value).__name__}") from None
-
-
 def _rank_arg(value, name, info, caller, any_source=False):
-    value = _static_int(value, name, caller)
+    value = collectives.static_int(value, name, caller)
     if value == PROC_NULL or (any_source and value == ANY_SOURCE) or 0 <= value < info.size:
         return value
     allowed = "mpicoll.PROC_NULL" + (", mpicoll.ANY_SOURCE" if any_source else "")
@@ -57,7 +44,7 @@ def _rank_arg(value, name, info, caller, any_source=False):
 
 
 def _tag_arg(value, name, caller, any_tag=False):
-    value = _static_int(value, name, caller)
+    value = collectives.static_int(value, name, caller)
     if 0 <= value <= TAG_UB or (any_tag and value == ANY_TAG):
         return value
     allowed = " or mpicoll.ANY_TAG" if any_tag else ""
