@@ -85,15 +85,20 @@ def allgather(x, comm, axis_name):
     return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
 
 
+def _participant_blocks(x, info, local, caller):
+    """x of shape (size * local devices, *s), checked, as (size, local devices, *s)."""
+    participants = info.size * local
+    if x.ndim == 0 or x.shape[0] != participants:
+        raise ValueError(f"mpicoll.{caller}: with axis_name, x must have shape (size * local "
+                         f"devices, ...) = ({participants}, ...), got {tuple(x.shape)}")
+    return x.reshape((info.size, local, *x.shape[1:]))
+
+
 def alltoall(x, comm, axis_name):
     x = collectives._as_array(x, "alltoall")
     info = comm_layer.resolve(comm, "alltoall")
     local = _local_axis_size(axis_name, "alltoall")
-    participants = info.size * local
-    if x.ndim == 0 or x.shape[0] != participants:
-        raise ValueError(f"mpicoll.alltoall: with axis_name, x must have shape (size * local "
-                         f"devices, ...) = ({participants}, ...), got {tuple(x.shape)}")
-    blocks = x.reshape((info.size, local, *x.shape[1:]))  # [dest rank, dest device]
+    blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
     # Device k' receives, from every local device k, the rows meant for devices k'.
     blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)  # [dest rank, src device]
     blocks = collectives._bind(collectives.ALLTOALL, blocks, comm=comm)  # [src rank, src device]
@@ -121,11 +126,7 @@ def reduce_scatter(x, op, comm, axis_name):
     _dtypes_and_ops.op_code(name, x.dtype, "reduce_scatter")
     info = comm_layer.resolve(comm, "reduce_scatter")
     local = _local_axis_size(axis_name, "reduce_scatter")
-    participants = info.size * local
-    if x.ndim == 0 or x.shape[0] != participants:
-        raise ValueError(f"mpicoll.reduce_scatter: with axis_name, x must have shape (size * "
-                         f"local devices, ...) = ({participants}, ...), got {tuple(x.shape)}")
-    blocks = x.reshape((info.size, local, *x.shape[1:]))  # [dest rank, dest device]
+    blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
     if name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
         mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]
