@@ -8,6 +8,7 @@ collectives in program order.
 __version__ = "0.1.0"
 
 from .collectives import (  # noqa: E402
+    RANKS,
     allgather,
     allreduce,
     alltoall,
@@ -15,6 +16,7 @@ from .collectives import (  # noqa: E402
     bcast,
     exscan,
     gather,
+    mesh,
     pvary,
     reduce,
     reduce_scatter,
@@ -30,7 +32,7 @@ from . import failures as _failures  # noqa: E402
 
 _failures.configure_from_environment()
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "allgather", "allgatherv", "allreduce",
+__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "mesh", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "barrier", "bcast", "check_mode", "clear_error", "default_comm",
            "exscan", "gather", "gatherv", "pvary", "recv", "reduce", "reduce_scatter", "scan",
            "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout"]

@@ -68,6 +68,8 @@ class Collective:
     batch(x, dim, params): -> (x, params, out_dim) for the batched call, where a
         family's params depend on the shape; the default moves the rank axis first.
     not_differentiable: a reason; the JVP raises it (only zero tangents pass).
+    replicates: the output is the same on every rank of comm (allreduce,
+        allgather, bcast): typed invariant over RANKS when comm spans every rank.
 
     Every primitive carries the static params comm (table slot), size, root,
     op (code, -1 if none) and transpose_sums: False for mpicoll's convention
@@ -86,6 +88,7 @@ class Collective:
     check: Callable = None
     batch: Callable = None
     not_differentiable: str = None
+    replicates: bool = False  # the output is identical on every rank of comm
 
     @property
     def target(self):
@@ -115,6 +118,7 @@ BCAST = Collective(
         else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
     has_root=True,
     in_place=True,
+    replicates=True,
 )
 
 
@@ -147,6 +151,7 @@ ALLREDUCE = Collective(
     transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
     reduces=True,
     in_place=True,
+    replicates=True,
 )
 
 # gather: the stack by rank on root, zeros elsewhere.
@@ -164,6 +169,7 @@ ALLGATHER = Collective(
     out_shape=lambda shape, params: (params["size"], *shape),
     transpose=lambda ct, params: (
         _run("allreduce", ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
+    replicates=True,
 )
 
 
@@ -306,7 +312,7 @@ def _make_primitive(spec):
 
     def abstract_eval(x, *, ordered, **params):
         effects = {mpi_effect} if ordered else set()
-        return _compat.aval_with_shape(x, spec.out_shape(x.shape, params)), effects
+        return _typed_output(spec, x, spec.out_shape(x.shape, params), params), effects
 
     def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), **params):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
@@ -353,7 +359,7 @@ def _make_primitive(spec):
                                       "is not linear and cannot be transposed")
         if type(ct) is _compat.Zero:
             return [_compat.zero_tangent(x.aval)]
-        return [spec.transpose(ct, params)]
+        return [_typed_like(spec.transpose(ct, params), x.aval)]
 
     primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args, **params))
     primitive.def_effectful_abstract_eval(abstract_eval)
@@ -390,7 +396,8 @@ def _make_fused_primitive(spec):
 
     def abstract_eval(*xs, ordered, **params):
         effects = {mpi_effect} if ordered else set()
-        return [_compat.aval_with_shape(x, spec.out_shape(x.shape, params)) for x in xs], effects
+        return [_typed_output(spec, x, spec.out_shape(x.shape, params), params)
+                for x in xs], effects
 
     def lowering(ctx, *xs, comm, size, root, op, transpose_sums, ordered, alias):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
@@ -519,6 +526,7 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
         return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
+    x, params = _typed_input(x, params)
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
 
 
@@ -704,7 +712,8 @@ def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
             continue
         _, params = _validated_params(spec, leaves[indices[0]], kwargs["comm"],
                                       kwargs.get("root", 0), kwargs.get("op"), False)
-        outs = FUSED_PRIMITIVES[spec.name].bind(*(leaves[i] for i in indices), **params,
+        typed = [_typed_input(leaves[i], params) for i in indices]
+        outs = FUSED_PRIMITIVES[spec.name].bind(*(x for x, _ in typed), **typed[0][1],
                                                 ordered=ordered, alias=alias)
         for i, out in zip(indices, outs):
             results[i] = out
@@ -739,7 +748,9 @@ _register_lowerings(barrier_p, _barrier_lowering)
 
 pvary_p = Primitive("mpicoll_pvary")
 pvary_p.def_impl(lambda x, **params: x)
-pvary_p.def_abstract_eval(lambda x, **params: x)
+pvary_p.def_abstract_eval(
+    lambda x, **params: _compat.with_varying_axes(x, _compat.varying_axes(x) | {RANKS})
+    if _ranks_typed() else x)
 _compat.register_lowering(pvary_p, lambda ctx, x, **params: [x])
 _compat.register_batching(pvary_p, lambda args, dims, **params: (pvary_p.bind(*args, **params),
                                                                  dims[0]))
@@ -756,6 +767,111 @@ def _pvary_transpose(ct, x, *, comm, size):
 
 
 _compat.register_transpose(pvary_p, _pvary_transpose)
+
+
+# ---------------------------------------------------------------------------
+# The ranks as a mesh axis JAX's type system tracks.  Inside shard_map over
+# mesh() (check_vma=True, JAX's default), every value is typed varying or
+# invariant over RANKS: in_specs P(RANKS) marks per-rank data, P() a value
+# identical on every rank (parameters).  The collectives type their outputs
+# (allreduce/allgather/bcast over every rank: invariant; the rest: varying)
+# and take per-rank inputs, casting an invariant one with pvary.  JAX then does
+# the rest with its own rules: it inserts pvary where an invariant value meets
+# a varying one (the cotangent of a replicated parameter is summed over ranks,
+# via route_pvary_transpose below) and rejects a loop whose carry changes type
+# (a per-rank carry that an allreduce makes identical).  Outside such a mesh
+# nothing is typed and the convention in the module docstring applies.
+
+RANKS = "mpicoll.RANKS"
+
+
+def mesh(local_axis=None, devices=None):
+    """A jax.sharding.Mesh whose first axis, RANKS, stands for the MPI ranks.
+
+    Locally the RANKS axis has size 1 (this process); mpicoll's collectives
+    act across it.  With local_axis (a name), a second axis spans this
+    process's devices (default: all local devices), for per-device data
+    (P((RANKS, local_axis))) and the global collectives (axis_name=local_axis).
+    Without it the mesh holds one device (default: the first local one).
+    """
+    from jax.sharding import Mesh
+    if local_axis == RANKS:
+        raise ValueError(f"mpicoll.mesh: local_axis must differ from {RANKS!r}")
+    if devices is None:
+        devices = jax.local_devices() if local_axis is not None else jax.local_devices()[:1]
+    devices = np.array(list(devices))
+    if local_axis is None:
+        if devices.size != 1:
+            raise ValueError(f"mpicoll.mesh: {devices.size} devices need a local_axis name")
+        return Mesh(devices.reshape(1), (RANKS,))
+    return Mesh(devices.reshape(1, -1), (RANKS, local_axis))
+
+
+def _ranks_typed():
+    return _compat.axis_in_manual_mesh(RANKS)
+
+
+def _world():
+    return comm_layer.resolve(None, "pvary")
+
+
+def _spans_all_ranks(params):
+    return params["size"] == _world().size
+
+
+def _typed_output(spec, x, shape, params):
+    """The output aval: x's shape rule, and inside mesh() its RANKS variance."""
+    out = _compat.aval_with_shape(x, shape)
+    if not _ranks_typed():
+        return out
+    varying = _compat.varying_axes(x)
+    # transpose_sums (the global ops under pmap, some transposes) means the
+    # sum convention, where every value counts per rank: varying.
+    same_everywhere = (spec.replicates and _spans_all_ranks(params)
+                       and not params.get("transpose_sums"))
+    return _compat.with_varying_axes(
+        out, varying - {RANKS} if same_everywhere else varying | {RANKS})
+
+
+def _cast_per_rank(x):
+    """x typed varying over RANKS; under autodiff its cotangent is summed over all ranks."""
+    world = _world()
+    return pvary_p.bind(x, comm=world.slot, size=world.size)
+
+
+def _typed_input(x, params):
+    """Inside mesh(): a collective contributes a per-rank value.  An invariant x
+    (the same on every rank) is cast with pvary, so its gradient collects every
+    rank's cotangent; a communicator short of every rank gets the sum
+    convention (its replicated outputs still differ between its groups)."""
+    if not _ranks_typed():
+        return x, params
+    if RANKS not in _compat.varying_axes(jax.typeof(x)):
+        x = _cast_per_rank(x)
+    if not _spans_all_ranks(params):
+        params = {**params, "transpose_sums": True}
+    return x, params
+
+
+def _typed_like(ct, aval):
+    """A transpose's result, typed like the primal input it is the cotangent of."""
+    if (_ranks_typed() and RANKS in _compat.varying_axes(aval)
+            and RANKS not in _compat.varying_axes(jax.typeof(ct))):
+        return _cast_per_rank(ct)
+    return ct
+
+
+def _sum_over_ranks(ct):
+    world = _world()
+    return _run("allreduce", ct, dict(comm=world.slot, size=world.size, root=0, op=_SUM,
+                                      transpose_sums=False))
+
+
+_compat.route_pvary_transpose(RANKS, _sum_over_ranks)
+_compat.refuse_lax_collectives_over(
+    RANKS, "jax.lax {name} over " + repr(RANKS) + " would act on this process alone: the "
+    "axis stands for the MPI ranks; use mpicoll's collectives (allreduce for psum, allgather "
+    "for all_gather, sendrecv for ppermute, the communicator's rank for axis_index)")
 
 
 # ---------------------------------------------------------------------------
@@ -869,8 +985,18 @@ def pvary(x, *, comm=None):
     leaves, treedef = jax.tree.flatten(x)
     leaves = _each_leaf(x, leaves, lambda leaf: _as_array(leaf, "pvary"))
     _each_leaf(x, leaves, lambda leaf: _dtypes_and_ops.dtype_family(leaf.dtype, "pvary"))
+    if _ranks_typed():
+        _each_leaf(x, leaves, _check_invariant)
     return jax.tree.unflatten(treedef, [pvary_p.bind(leaf, comm=info.slot, size=info.size)
                                         for leaf in leaves])
+
+
+def _check_invariant(leaf):
+    if RANKS in _compat.varying_axes(jax.typeof(leaf)):
+        raise ValueError(
+            f"mpicoll.pvary: x already varies over {RANKS} (a per-rank value, typed "
+            f"{jax.typeof(leaf).str_short()}); pvary marks a value that is the same on every "
+            "rank")
 
 
 from . import global_collectives  # noqa: E402  (composes the primitives defined above)

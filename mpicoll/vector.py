@@ -138,7 +138,7 @@ GATHERV = _spec("gatherv", lambda p: sum(_counts(p)),
 # allgatherv: every rank gets every rank's rows (one value); the transpose is
 # the rank's own rows, as for allgather.
 ALLGATHERV = _spec("allgatherv", lambda p: sum(_counts(p)), _own_slice,
-                   _check_own("allgatherv"))
+                   _check_own("allgatherv"), replicates=True)
 # scatterv: rank r gets root's rows of block r (counts[r] rows).
 SCATTERV = _spec("scatterv", lambda p: _counts(p)[_rank(p)],
                  lambda ct, params: collectives._run("gatherv", ct, params),

@@ -212,6 +212,15 @@ check("shard_map grad of a replicated parameter, pvary",
           W0, G[MINE]),
       replicated_grad(lambda y: lax.psum(y, "i"), GLOBAL_MESH, lambda w: w)(W0, G))
 
+# The same in mpicoll.mesh("i") (typed over the ranks too): no mark needed, JAX
+# inserts pvary and its cotangent is summed over every rank and device.
+RANKS_MESH = mpicoll.mesh("i", LOCAL_DEVICES)
+typed_grad = jax.jit(jax.grad(jax.shard_map(
+    lambda w, v: mpicoll.allreduce(jnp.sum(jnp.sin(w * v)), axis_name="i"), mesh=RANKS_MESH,
+    in_specs=(P(), P((mpicoll.RANKS, "i"))), out_specs=P())))
+check("typed mesh grad of a replicated parameter, no pvary", typed_grad(W0, G[MINE]),
+      replicated_grad(lambda y: lax.psum(y, "i"), GLOBAL_MESH, lambda w: w)(W0, G))
+
 # --- concurrent device threads never mix their collectives ---------------------
 repeat = local_shard_map(squeeze(lambda v: mpicoll.allreduce(v) * 1.0))
 expected = np.stack([groups[:, k].sum(0) for k in range(LOCAL)])
