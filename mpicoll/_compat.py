@@ -185,9 +185,9 @@ def route_pvary_transpose(axis, transpose_over_axis):
     sum is over MPI ranks instead: transpose_over_axis(ct) does that part and
     JAX's rule the other axes.  Other pvary axes are untouched.
     """
-    pvary = _core.pvary_p
-    original = _ad.primitive_transposes[pvary]
-    if getattr(original, "_mpicoll_routed", None) == axis:
+    pvary = getattr(_core, "pvary_p", None)
+    original = _ad.primitive_transposes.get(pvary)
+    if original is None or getattr(original, "_mpicoll_routed", None) == axis:
         return
 
     def transpose(ct, x, *, axes):
@@ -228,7 +228,8 @@ def refuse_lax_collectives_over(axis, message):
                 return original(ctx, *args, **params)
 
             lowering._mpicoll_refuses = axis
-            _mlir.register_lowering(primitive, lowering, platform=platform, inline=entry.inline)
+            _mlir.register_lowering(primitive, lowering, platform=platform,
+                                    inline=getattr(entry, "inline", True))
 
 
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
