@@ -12,6 +12,7 @@ from .collectives import (  # noqa: E402
     allgather,
     allreduce,
     alltoall,
+    autodiff_mode,
     barrier,
     bcast,
     exscan,
@@ -22,6 +23,7 @@ from .collectives import (  # noqa: E402
     reduce_scatter,
     scan,
     scatter,
+    set_autodiff,
 )
 from .p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E402
 from .vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
@@ -31,8 +33,10 @@ from .failures import check_mode, clear_error, set_check_mode, set_timeout  # no
 from . import failures as _failures  # noqa: E402
 
 _failures.configure_from_environment()
+set_autodiff(_failures.choice_from_environment("MPICOLL_AUTODIFF", ("checked", "convention")))
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "mesh", "allgather", "allgatherv", "allreduce",
-           "alltoall", "alltoallv", "barrier", "bcast", "check_mode", "clear_error", "default_comm",
-           "exscan", "gather", "gatherv", "pvary", "recv", "reduce", "reduce_scatter", "scan",
-           "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout"]
+__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgatherv", "allreduce",
+           "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
+           "clear_error", "default_comm", "exscan", "gather", "gatherv", "mesh", "pvary", "recv",
+           "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
+           "set_autodiff", "set_check_mode", "set_timeout"]

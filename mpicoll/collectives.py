@@ -16,10 +16,12 @@ up across ranks into the global objective.  `pvary` marks a replicated value
 that is then used in a rank-dependent way (its cotangents are summed).
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import operator
+import threading
 from typing import Callable
 
 import jax
@@ -357,6 +359,7 @@ def _make_primitive(spec):
         if spec.reduces and params["op"] != _SUM:
             raise NotImplementedError(f"mpicoll.{spec.name}: op={_OP_NAMES[params['op']]!r} "
                                       "is not linear and cannot be transposed")
+        _check_reverse_mode(spec.name, params)
         if type(ct) is _compat.Zero:
             return [_compat.zero_tangent(x.aval)]
         return [_typed_like(spec.transpose(ct, params), x.aval)]
@@ -399,7 +402,7 @@ def _make_fused_primitive(spec):
         return [_typed_output(spec, x, spec.out_shape(x.shape, params), params)
                 for x in xs], effects
 
-    def lowering(ctx, *xs, comm, size, root, op, transpose_sums, ordered, alias):
+    def lowering(ctx, *xs, comm, size, root, op, ordered, alias, **rules):  # rules: AD-only
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # As for one array: outputs alias inputs where the shapes agree, which
         # in a loop saves XLA one copy per carried array and iteration.
@@ -503,7 +506,7 @@ def _validated_params(spec, x, comm, root, op, transpose_sums, static=()):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
     params = dict(comm=info.slot, size=info.size, root=root, op=op_code,
-                  transpose_sums=bool(transpose_sums))
+                  transpose_sums=bool(transpose_sums), checked_ad=_autodiff_checked())
     if spec.check is not None:
         params.update(spec.check(x, info, **dict(static)))
     return x, params
@@ -859,6 +862,67 @@ def _typed_like(ct, aval):
             and RANKS not in _compat.varying_axes(jax.typeof(ct))):
         return _cast_per_rank(ct)
     return ct
+
+
+# Reverse mode outside mesh(): by default it refuses, since nothing says which
+# values are the same on every rank and mpicoll's convention (one value) gives
+# wrong gradients where it is not met.  set_autodiff("convention") accepts the
+# convention (mpi4jax's, which mpicoll.mpi4jax sets); the sum convention of
+# pmap (transpose_sums, every value per rank) is always well defined.
+AUTODIFF_MODES = ("checked", "convention")
+_autodiff = "checked"
+_convention_scope = threading.local()  # mpicoll.mpi4jax's calls: mpi4jax's convention
+
+
+def _autodiff_checked():
+    """Whether a collective bound now refuses reverse mode outside mesh()."""
+    return _autodiff == "checked" and not getattr(_convention_scope, "active", False)
+
+
+@contextlib.contextmanager
+def convention_autodiff():
+    """Collectives called inside it (on this thread) follow the convention."""
+    previous = getattr(_convention_scope, "active", False)
+    _convention_scope.active = True
+    try:
+        yield
+    finally:
+        _convention_scope.active = previous
+
+
+def set_autodiff(mode):
+    """How reverse-mode autodiff treats collectives outside mesh(); returns the previous mode.
+
+    It applies to collectives called (traced) after it, on every rank alike.
+
+    "checked" (the default): transposing a collective outside shard_map over
+    mpicoll.mesh() raises TypeError, where JAX would type the ranks.
+    "convention": mpicoll's unchecked convention (README, "vmap and autodiff").
+    Forward mode (jvp, jacfwd) is exact either way.
+    """
+    global _autodiff
+    if mode not in AUTODIFF_MODES:
+        raise ValueError(f"mpicoll.set_autodiff: mode must be one of {AUTODIFF_MODES}, "
+                         f"got {mode!r}")
+    previous, _autodiff = _autodiff, mode
+    return previous
+
+
+def autodiff_mode():
+    """The current autodiff mode: "checked" or "convention"."""
+    return _autodiff
+
+
+def _check_reverse_mode(name, params):
+    if not params.get("checked_ad") or params.get("transpose_sums") or _ranks_typed():
+        return
+    raise TypeError(
+        f"mpicoll.{name}: reverse-mode autodiff through a collective needs to know which "
+        "values are the same on every rank. Differentiate inside jax.shard_map over "
+        "mpicoll.mesh() (in_specs P() for a value identical on every rank, "
+        "P(mpicoll.RANKS) for this rank's data), where JAX checks it; or accept mpicoll's "
+        "unchecked convention with mpicoll.set_autodiff('convention') or "
+        "MPICOLL_AUTODIFF=convention (README: vmap and autodiff)")
 
 
 def _sum_over_ranks(ct):

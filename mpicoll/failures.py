@@ -106,6 +106,14 @@ def install_abort_on_error():
     threading.excepthook = thread_excepthook
 
 
+def choice_from_environment(name, choices):
+    """The value of environment variable `name`, one of choices (unset: the first)."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def configure_from_environment():
     if _env_flag("MPICOLL_ABORT_ON_ERROR", MPI.COMM_WORLD.Get_size() > 1):
         install_abort_on_error()

@@ -7,8 +7,11 @@ mpi4jax >= 0.8 the functions return arrays, not tokens (ordering is automatic),
 and passing `token=` raises.  `comm` is an mpi4py intracommunicator, `op` an
 mpi4py `MPI.Op` (names such as "sum" work too), `status` an `MPI.Status` that
 recv/sendrecv fill in.  Everything else is mpicoll's; the README lists the
-differences.
+differences.  Its collectives follow mpicoll's autodiff convention (as
+with mpicoll.set_autodiff("convention")), as mpi4jax differentiates anywhere.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,18 @@ from mpi4py import MPI
 from . import _native, collectives, comm as comm_layer, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
+
+
+def _mpi4jax_autodiff(function):
+    """mpi4jax differentiates allreduce and sendrecv anywhere, by the convention
+    mpicoll's "convention" mode is (an allreduce's cotangent passes through): a
+    program written for it expects that, so the adapter's calls follow it."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with collectives.convention_autodiff():
+            return function(*args, **kwargs)
+    return call
+
 
 _NOTSET = object()
 
@@ -47,18 +62,21 @@ def has_sycl_support():
     return False
 
 
+@_mpi4jax_autodiff
 def allreduce(x, op, *, comm=None, token=_NOTSET):
     """op over every rank's x, on every rank."""
     _no_token("allreduce", token)
     return collectives.allreduce(x, op, comm=comm)
 
 
+@_mpi4jax_autodiff
 def allgather(x, *, comm=None, token=_NOTSET):
     """(size, *x.shape): every rank's x, by rank."""
     _no_token("allgather", token)
     return collectives.allgather(x, comm=comm)
 
 
+@_mpi4jax_autodiff
 def alltoall(x, *, comm=None, token=_NOTSET):
     """x: (size, *s); out[j] = x[rank] of rank j."""
     _no_token("alltoall", token)
@@ -71,12 +89,14 @@ def barrier(*, comm=None, token=_NOTSET):
     collectives.barrier(comm=comm)
 
 
+@_mpi4jax_autodiff
 def bcast(x, root, *, comm=None, token=_NOTSET):
     """root's x on every rank (x sets the shape and dtype elsewhere)."""
     _no_token("bcast", token)
     return collectives.bcast(x, root, comm=comm)
 
 
+@_mpi4jax_autodiff
 def gather(x, root, *, comm=None, token=_NOTSET):
     """On root (size, *x.shape), every rank's x; elsewhere x unchanged."""
     _no_token("gather", token)
@@ -84,6 +104,7 @@ def gather(x, root, *, comm=None, token=_NOTSET):
     return gathered if _rank(comm, "gather") == root else x
 
 
+@_mpi4jax_autodiff
 def reduce(x, op, root, *, comm=None, token=_NOTSET):
     """On root op over every rank's x; elsewhere x unchanged."""
     _no_token("reduce", token)
@@ -91,6 +112,7 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
     return reduced if _rank(comm, "reduce") == root else x
 
 
+@_mpi4jax_autodiff
 def scatter(x, root, *, comm=None, token=_NOTSET):
     """Rank r gets root's x[r]; x is (size, *s) on root and s-shaped elsewhere."""
     _no_token("scatter", token)
@@ -102,12 +124,14 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
     return collectives.scatter(x, root, comm=comm)
 
 
+@_mpi4jax_autodiff
 def scan(x, op, *, comm=None, token=_NOTSET):
     """Rank r gets op over the x of ranks 0..r."""
     _no_token("scan", token)
     return collectives.scan(x, op, comm=comm)
 
 
+@_mpi4jax_autodiff
 def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
     """Send x to dest."""
     _no_token("send", token)
@@ -129,6 +153,7 @@ def _fill_status(status, dtype, count, source, tag):
         fill(source, tag)
 
 
+@_mpi4jax_autodiff
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=_NOTSET):
     """A new array shaped like x with the message from source (x is not read)."""
     _no_token("recv", token)
@@ -140,6 +165,7 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
     return out
 
 
+@_mpi4jax_autodiff
 def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, comm=None,
              status=None, token=_NOTSET):
     """Send sendbuf to dest and receive an array shaped like recvbuf from source."""

@@ -395,3 +395,11 @@ def _check_mode_restored():
     if left != _SESSION_CHECK_MODE:
         mpicoll.set_check_mode(_SESSION_CHECK_MODE)
         pytest.fail(f"the test left the check mode at {left!r} (restore the previous mode)")
+
+
+@pytest.fixture
+def convention_autodiff():
+    """For tests of mpicoll's unchecked autodiff convention (outside mpicoll.mesh())."""
+    previous = mpicoll.set_autodiff("convention")
+    yield
+    mpicoll.set_autodiff(previous)

@@ -106,6 +106,7 @@ def test_vmap_of_a_fused_call(small_fusion_limits, name):
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.usefixtures("convention_autodiff")
 def test_jvp_and_grad_of_a_fused_allreduce_match_per_leaf_calls(small_fusion_limits, op):
     """Derivatives of one fused call equal those of one call per leaf."""
     xs = [jnp.asarray(rank_data((3,), np.float32, RANK, 60 + i)) for i in range(3)]

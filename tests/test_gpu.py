@@ -130,6 +130,7 @@ def test_fused_pytree_on_gpu(name):
         assert_same(out[f"leaf{i}"], expected(name, stack, root=root))
 
 
+@pytest.mark.usefixtures("convention_autodiff")
 def test_grad_and_vmap_on_gpu():
     stack = all_ranks_data((4,), np.float32, seed=21, kind="sum")
     x = on_gpu(stack[RANK])

@@ -147,6 +147,7 @@ def test_messages_of_other_senders_wait_for_their_receive():
         assert_same(second, np.arange(2) + 10 * PARTNER)
 
 
+@pytest.mark.usefixtures("convention_autodiff")  # the transpose's own errors
 def test_p2p_rejects_bad_input():
     x = jnp.ones(3)
     with pytest.raises(ValueError, match=rf"send: dest={SIZE} is out of range for a "

@@ -48,9 +48,10 @@ def test_a_carry_that_an_allreduce_makes_identical_is_refused():
 
 
 def test_a_per_rank_carry_kept_with_pvary_differentiates_like_one_process():
-    def run(c0):
-        return jax.lax.scan(lambda c, _: (mpicoll.pvary(mpicoll.allreduce(c) * 0.5), None),
-                            c0, None, length=3)[0]
+    def run(c0):  # the objective: the per-rank outputs summed over ranks
+        c = jax.lax.scan(lambda c, _: (mpicoll.pvary(mpicoll.allreduce(c) * 0.5), None),
+                         c0, None, length=3)[0]
+        return mpicoll.allreduce(c.sum())
 
     def one_process(c0s):  # rows: ranks; the objective sums the per-rank outputs
         for _ in range(3):
@@ -58,7 +59,7 @@ def test_a_per_rank_carry_kept_with_pvary_differentiates_like_one_process():
         return c0s.sum()
 
     c0 = jnp.asarray(per_rank(RANK, (2,)))
-    got = jax.grad(lambda c: mpicoll.allreduce(typed(run, P(R), P(R))(c).sum()))(c0)
+    got = jax.grad(typed(run, P(R), P()))(c0)
     everyone = np.stack([per_rank(r, (2,)) for r in range(SIZE)])
     np.testing.assert_allclose(got, jax.grad(one_process)(jnp.asarray(everyone))[RANK],
                                rtol=1e-12)
@@ -158,6 +159,23 @@ def test_lax_collectives_over_the_ranks_axis_are_refused(fn):
 def test_pvary_of_a_per_rank_value_is_refused():
     with pytest.raises(ValueError, match="already varies over mpicoll.RANKS"):
         typed(lambda x: mpicoll.pvary({"a": x}), P(R), P(R))(jnp.ones(2))
+
+
+def test_reverse_mode_outside_the_mesh_refuses_unless_the_convention_is_chosen():
+    # The mode is read when a collective is called (traced): a function jit
+    # has already traced keeps the mode it was traced in.
+    x = jnp.asarray(per_rank(RANK))
+    with pytest.raises(TypeError, match="needs to know which values are the same"):
+        jax.grad(jax.jit(lambda x: mpicoll.allreduce(jnp.sum(x ** 2))))(x)
+    loss = jax.jit(lambda x: mpicoll.allreduce(jnp.sum(x ** 2)))
+    previous = mpicoll.set_autodiff("convention")
+    try:
+        np.testing.assert_allclose(jax.grad(loss)(x), 2 * x)
+    finally:
+        mpicoll.set_autodiff(previous)
+    # Forward mode is exact outside the mesh too.
+    _, tangent = jax.jvp(loss, (x,), (jnp.ones_like(x),))
+    assert float(tangent) == pytest.approx(COMM.allreduce(float(2 * x.sum())))
 
 
 def test_mesh_rejects_a_local_axis_named_like_the_ranks():

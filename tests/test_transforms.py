@@ -21,6 +21,11 @@ import mpicoll
 jax.config.update("jax_enable_x64", True)
 
 COMM = MPI.COMM_WORLD
+
+# These tests check mpicoll's autodiff convention outside mpicoll.mesh()
+# (test_ranks_axis.py checks the typed path, and the refusal by default).
+pytestmark = pytest.mark.usefixtures("convention_autodiff")
+
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 ROOT = SIZE - 1  # a root other than 0 whenever there are several ranks
 

@@ -153,6 +153,10 @@ check("shard_map global alltoall",
       local_shard_map(squeeze(lambda v: mpicoll.alltoall(v, axis_name="i")))(B[MINE]),
       reference_shard_map(squeeze(lambda v: lax.all_to_all(v, "i", 0, 0)))(B)[MINE])
 
+# Over the local mesh alone (no mpicoll.RANKS axis) reverse mode needs the
+# convention (refused by default); mpicoll.mesh() below is checked.
+mpicoll.set_autodiff("convention")
+
 # Gradients follow the matching lax collective: pmap's convention in pmap,
 # shard_map's (check_vma: an invariant value counts once) in shard_map.  In
 # shard_map JAX sees only the local axis, so a result that is invariant (psum,
