@@ -142,7 +142,7 @@ def test_pairwise_reduce_scatter_every_op_and_dtype(op, dtype, pairwise_reduce_s
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_pairwise_reduce_scatter_at_the_default_threshold(mode, pairwise_reduce_scatter):
-    """Blocks just below, at and above the default threshold (1 MiB) and an odd
+    """Blocks just below, at and above the default threshold (256 KiB) and an odd
     number of segments; the same results as MPI_Reduce_scatter_block's path."""
     min_bytes, segment_bytes = pairwise_reduce_scatter()
     rows = [min_bytes // 4 - 1, min_bytes // 4, 2 * segment_bytes // 4 + 3]
