@@ -4,6 +4,8 @@
 #   make install                 venv + dependencies + editable mpicoll (quick when up to date)
 #   make test                    pytest serially, then under mpiexec -n 2, 3, 4
 #   make demo                    examples/demo.py under mpiexec -n 2
+#   make test-mpi4jax-suite      mpi4jax 0.9's own tests (downloaded) against mpicoll.mpi4jax,
+#                                at 1 and 2 ranks (tools/mpi4jax_suite.sh)
 #   make test-multihost          tests/test_multihost.py: jobs on a cluster of hosts simulated
 #                                with namespaces (launch/simcluster.py); not in `make test`
 #   make bench-multihost         allreduce measurements at 2-4 simulated hosts, the fitted
@@ -41,6 +43,7 @@ TEST_RANKS ?= 1 2 3 4
 TESTS ?= tests
 PYTEST_ARGS ?=
 TEST_TIMEOUT ?= 600
+MPI4JAX_SUITE_RANKS ?= 1 2
 DEMO_TIMEOUT ?= 120
 BENCH_ARGS ?=
 BENCH_TIMEOUT ?= 900
@@ -149,7 +152,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test test-multihost bench-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
+.PHONY: install test test-mpi4jax-suite test-multihost bench-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -236,6 +239,12 @@ test: install
 # launch/simcluster.py; they skip, saying why, where the machine refuses them).
 # -m multihost on the command line replaces any -m in PYTEST_ADDOPTS.
 MULTIHOST_TESTS := tests/test_multihost.py
+
+# mpi4jax's own test suite (downloaded from PyPI) against mpicoll.mpi4jax through
+# a shim package named mpi4jax, at 1 and 2 ranks (tools/mpi4jax_suite.sh).
+test-mpi4jax-suite: install
+	$(VENV_PATH) $(MPIEXEC_ENV) sh tools/mpi4jax_suite.sh $(VPY) '$(MPIEXEC) $(MPIEXEC_FLAGS)' \
+	    '$(MPI4JAX_SUITE_RANKS)' $(TEST_TIMEOUT)
 
 test-multihost: install
 	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(TEST_TIMEOUT) \

@@ -147,10 +147,14 @@ REDUCE = Collective(
 # allreduce: the reduction on every rank.  The output is one value; with
 # op="sum" each rank's input receives its cotangent unchanged (or, with
 # transpose_sums, the sum of every rank's cotangent, as psum under pmap).
+# "Unchanged" is pvary, the identity whose own transpose is this allreduce, so
+# that transposing twice gives allreduce back (as in mpi4jax), not the identity.
 ALLREDUCE = Collective(
     "allreduce",
     out_shape=lambda shape, params: shape,
-    transpose=lambda ct, params: _run("allreduce", ct, params) if params["transpose_sums"] else ct,
+    transpose=lambda ct, params: (
+        _run("allreduce", ct, params) if params["transpose_sums"]
+        else pvary_p.bind(ct, comm=params["comm"], size=params["size"])),
     reduces=True,
     in_place=True,
     replicates=True,

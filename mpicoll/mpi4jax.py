@@ -76,10 +76,23 @@ def allgather(x, *, comm=None, token=_NOTSET):
     return collectives.allgather(x, comm=comm)
 
 
+def _leading_axis_is_size(x, comm, name, what):
+    """mpi4jax's own shape check: local to the rank that calls (as in mpi4jax, a
+    rank that alone passes a wrong shape raises alone; mpicoll's checks, which
+    every rank agrees on, run after it)."""
+    x = collectives._as_array(x, name)
+    size = comm_layer.resolve(comm, name).size
+    if x.ndim == 0 or x.shape[0] != size:
+        raise ValueError(f"{what} input must have shape (nproc, ...) = ({size}, ...), "
+                         f"got {tuple(x.shape)} (mpicoll.mpi4jax.{name})")
+    return x
+
+
 @_mpi4jax_autodiff
 def alltoall(x, *, comm=None, token=_NOTSET):
     """x: (size, *s); out[j] = x[rank] of rank j."""
     _no_token("alltoall", token)
+    x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
     return collectives.alltoall(x, comm=comm)
 
 
@@ -117,7 +130,9 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
     """Rank r gets root's x[r]; x is (size, *s) on root and s-shaped elsewhere."""
     _no_token("scatter", token)
     info = comm_layer.resolve(comm, "scatter")
-    if info.rank != root:
+    if info.rank == root:
+        x = _leading_axis_is_size(x, comm, "scatter", "Scatter")
+    else:
         # mpicoll's scatter takes (size, *s) everywhere; only root's content is read.
         x = collectives._as_array(x, "scatter")
         x = jnp.broadcast_to(x, (info.size, *x.shape))

@@ -22,7 +22,8 @@ from mpi4py import MPI
 
 import mpicoll
 from conftest import (ALL_DTYPES, INTEGER_DTYPES, RANK, REPRESENTATIVE_DTYPES, SIZE, VALID_PAIRS,
-                      all_ranks_data, assert_same, pair_id, rank_data, reduce_reference)
+                      all_ranks_data, assert_same, maybe_jit, pair_id, rank_data,
+                      reduce_reference)
 
 DTYPES = ALL_DTYPES if SIZE <= 2 else REPRESENTATIVE_DTYPES
 PAIRS = [(op, dtype) for op, dtype in VALID_PAIRS if dtype in DTYPES]
@@ -115,6 +116,67 @@ def test_prefix_and_reduce_scatter_on_a_split_communicator():
         comm.Free()
     for name, out, data in zip(("reduce_scatter", "scan", "exscan"), outs, (rs, xs, xs)):
         assert_same(out, expected_prefix(name, data, "sum", rank))
+
+
+@pytest.fixture
+def pairwise_reduce_scatter():
+    """Sets mpicoll's own reduce-scatter's (min block bytes, segment bytes) for one test."""
+    sizes = mpicoll._native.extension.pairwise_reduce_scatter
+    default = sizes()
+    yield sizes
+    sizes(*default)
+
+
+# Blocks of 7 and 1030 elements in segments of 64 bytes: odd splits (a last
+# segment shorter than the others, segments of 64/itemsize elements).
+@pytest.mark.parametrize("op,dtype", PAIRS, ids=[pair_id(p) for p in PAIRS])
+def test_pairwise_reduce_scatter_every_op_and_dtype(op, dtype, pairwise_reduce_scatter):
+    """mpicoll's own reduce-scatter (every block, forced) against numpy, also in chunks."""
+    pairwise_reduce_scatter(0, 64)
+    stacks = [all_ranks_data((SIZE, n), dtype, seed=60 + n, kind=op) for n in (7, 1030)]
+    outs = jax.jit(lambda xs: [mpicoll.reduce_scatter(x, op) for x in xs])(
+        [s[RANK] for s in stacks])
+    for out, stack in zip(outs, stacks):
+        assert_same(out, reduce_reference(stack[:, RANK], op))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_pairwise_reduce_scatter_at_the_default_threshold(mode, pairwise_reduce_scatter):
+    """Blocks just below, at and above the default threshold (256 KiB) and an odd
+    number of segments; the same results as MPI_Reduce_scatter_block's path."""
+    min_bytes, segment_bytes = pairwise_reduce_scatter()
+    rows = [min_bytes // 4 - 1, min_bytes // 4, 2 * segment_bytes // 4 + 3]
+    stacks = [all_ranks_data((SIZE, n), np.float32, seed=70 + i, kind="sum")
+              for i, n in enumerate(rows)]
+    fn = maybe_jit(lambda xs: [mpicoll.reduce_scatter(x) for x in xs], mode)
+    pairwise = fn([jnp.asarray(s[RANK]) for s in stacks])
+    pairwise_reduce_scatter(1 << 62, -1)  # MPI's only
+    by_mpi = fn([jnp.asarray(s[RANK]) for s in stacks])
+    for out, mpi_out, stack in zip(pairwise, by_mpi, stacks):
+        assert_same(out, reduce_reference(stack[:, RANK], "sum"))
+        assert_same(out, np.asarray(mpi_out))
+
+
+@pytest.mark.skipif(SIZE < 3, reason="needs a third rank whose message could be confused")
+def test_pairwise_reduce_scatter_messages_never_match_a_user_receive(pairwise_reduce_scatter):
+    """Its messages go on a private duplicate: rank 1 posts a receive from
+    ANY_SOURCE with ANY_TAG before its reduce_scatter, while rank 0 is already
+    in the reduce_scatter sending to rank 1; rank 1 must get rank 2's message."""
+    pairwise_reduce_scatter(0, 64)
+    stack = all_ranks_data((SIZE, 33), np.int64, seed=42, kind="sum")
+    mark = jnp.full((2,), 7 + RANK, jnp.int32)
+
+    def program(x):
+        got = mark
+        if RANK == 1:
+            got = mpicoll.recv(mark, mpicoll.ANY_SOURCE, tag=mpicoll.ANY_TAG)
+        if RANK == 2:
+            mpicoll.send(mark, 1, tag=5)
+        return mpicoll.reduce_scatter(x), got
+
+    out, got = jax.jit(program)(stack[RANK])
+    assert_same(out, reduce_reference(stack[:, RANK], "sum"))
+    assert_same(got, np.full((2,), 9 if RANK == 1 else 7 + RANK, np.int32))
 
 
 def test_prefix_and_reduce_scatter_reject_bad_input():

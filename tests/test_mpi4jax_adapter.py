@@ -170,3 +170,16 @@ def test_signatures_match_mpi4jax():
             assert ours[param].kind == theirs[param].kind, (name, param)
             if param != "token":
                 assert ours[param].default == theirs[param].default, (name, param)
+
+
+def test_wrong_leading_axis_raises_on_the_calling_rank_alone_like_mpi4jax():
+    """mpi4jax checks scatter's (on root) and alltoall's leading axis locally:
+    only rank 0 calls here, and it raises mpi4jax's message without waiting for
+    the other ranks (mpicoll's own rejections compare notes across ranks)."""
+    if RANK == 0:
+        x = jnp.ones((SIZE + 1,))
+        with pytest.raises(ValueError, match=r"Scatter input must have shape \(nproc, \.\.\.\)"):
+            adapter.scatter(x, root=0)
+        with pytest.raises(ValueError, match=r"Alltoall input must have shape \(nproc, \.\.\.\)"):
+            adapter.alltoall(x)
+    MPI.COMM_WORLD.Barrier()

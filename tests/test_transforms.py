@@ -254,6 +254,19 @@ def test_linear_transpose_jacrev_jacfwd_checkpoint(name):
     np.testing.assert_allclose(checkpointed, grad, rtol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_transposing_allreduce_twice_gives_allreduce(mode):
+    """Its transpose passes the cotangent through; the transpose of that is the
+    allreduce again (mpi4jax's tests check this, and matrix-free solvers need it)."""
+    x = jnp.arange(6.0).reshape(3, 2) * (RANK + 1)
+    once = lambda y: jax.linear_transpose(mpicoll.allreduce, x)(y)[0]  # noqa: E731
+    twice = lambda y: jax.linear_transpose(once, x)(y)[0]  # noqa: E731
+    run = jax.jit(twice) if mode == "jit" else twice
+    np.testing.assert_array_equal(np.asarray(once(x)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(run(x)),
+                                  np.arange(6.0).reshape(3, 2) * SIZE * (SIZE + 1) / 2)
+
+
 def test_derivative_of_bitwise_reduction_is_zero_for_integers_and_errors_for_nonlinear_transpose():
     x = jnp.arange(3, dtype=jnp.int32) + RANK
     y, dy = jax.jvp(lambda v: mpicoll.allreduce(v, "bxor"), (x,),

@@ -302,6 +302,7 @@ class CudaAwareMemory : public WholeBuffers {
 
   template <typename Op>
   int Begin(Call& c) {
+    c.device_buffers = true;  // no host-side algorithm (PairwiseReduceScatter) on these
     // bcast sends from its output buffer.
     if (std::is_same_v<Op, BcastOp> && !InPlace(c) && c.rank == c.root) {
       if (int rc = CopyOnStream(stream_, error, c.out, c.in, c.out_count * c.elem_bytes);
