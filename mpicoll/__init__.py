@@ -27,10 +27,11 @@ from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
+from ._native import thread_mode  # noqa: E402
 
 _failures.configure_from_environment()
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "barrier", "bcast", "check_mode", "clear_error", "default_comm",
            "exscan", "gather", "gatherv", "pvary", "recv", "reduce", "reduce_scatter", "scan",
-           "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout"]
+           "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout", "thread_mode"]

@@ -21,6 +21,7 @@ import dataclasses
 import jax
 from mpi4py import MPI
 
+from . import _native
 from ._native import extension
 
 _BUILD = extension.build_info()
@@ -93,6 +94,13 @@ def _register(comm, caller):
     if local_devices > _BUILD["max_local_devices"]:
         raise RuntimeError(f"mpicoll.{caller}: {local_devices} local devices; this build "
                            f"supports {_BUILD['max_local_devices']}")
+    if _native.SERIALIZED and local_devices > 1:
+        raise RuntimeError(
+            f"mpicoll.{caller}: mpicoll runs at MPI_THREAD_SERIALIZED "
+            f"(MPICOLL_THREAD_LEVEL=serialized, or MPI initialized below "
+            f"MPI_THREAD_MULTIPLE), which allows one local device per process, but JAX has "
+            f"{local_devices} here: their threads would call MPI at once. Use one device per "
+            "process, or MPI_THREAD_MULTIPLE (unset MPICOLL_THREAD_LEVEL)")
     if not _free_slots:
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")

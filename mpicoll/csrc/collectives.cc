@@ -713,6 +713,31 @@ struct InFlightScope {
   }
 };
 
+// ---------------------------------------------------------------------------
+// Serialized MPI (MPICOLL_THREAD_LEVEL=serialized, one local device per
+// process): MPI runs at MPI_THREAD_SERIALIZED, which allows calls from several
+// threads (XLA's, Python's) but never two at once, and skips the locking
+// MPI_THREAD_MULTIPLE costs every call.  mpicoll's own MPI calls take this
+// one lock while the mode is on; Python makes each dispatch of a program with
+// collectives complete before it returns, so the user's mpi4py calls never
+// overlap them.  Any other thread of mpicoll's that calls MPI (a progress
+// thread) must hold it too.  Off (MULTIPLE): no lock, MPI does its own.
+std::mutex serialized_mpi_mutex;
+std::atomic<bool> serialize_mpi_calls{false};
+
+// Holds serialized_mpi_mutex for one scope when the mode is on.
+class SerializedMpiScope {
+ public:
+  SerializedMpiScope() {
+    if (serialize_mpi_calls.load(std::memory_order_relaxed)) {
+      lock_ = std::unique_lock<std::mutex>(serialized_mpi_mutex);
+    }
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
 // A large output is often memory XLA has just allocated (glibc maps buffers
 // this big afresh and unmaps them when freed), so MPI's first write to it
 // takes a page fault per 4 KiB page: ~100 ms for 128 MiB here, more than the
@@ -1190,6 +1215,7 @@ int RunCollective(Call& c, Memory& memory) {
 // across ranks in check mode (`describe()` says what this rank calls).
 template <typename Op, typename Memory, typename Describe>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
+  SerializedMpiScope serialized;
   InFlightScope watched(c, device);
   if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
   // Rank blocks have the same shapes on every rank, so an empty array skips MPI
@@ -1503,6 +1529,39 @@ std::vector<Registration> CpuRegistrations() {
 #endif
 
 // ---------------------------------------------------------------------------
+// Eager calls without XLA (collectives.py, _eager_on_host).  An eager
+// collective on a CPU array is one MPI call, but a compiled program around it
+// costs several microseconds of dispatch.  Python hands over the input array's
+// buffer (its pending work done) and a fresh output buffer; the collective
+// runs on the calling thread through the same Execute as the FFI handlers
+// (checks across ranks, timeout, the serialized-MPI lock, error messages), on
+// local device 0's communicator.  The rank-block family only: the others take
+// ints (counts, peers) and stay on the compiled path.
+template <typename Op>
+ffi::Error EagerOnHost(Call& c, int64_t comm_slot, int64_t root, int64_t op, int64_t site,
+                       ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  if (ffi::Error err = Prepare<Op>(c, 0, comm_slot, root, op, site, dtype); err.failure()) {
+    return err;
+  }
+  HostMemory memory;
+  return Execute<Op>(c, 0, memory,
+                     [&] { return Describe(c, dtype, dims, Op::kReduces, Op::kRooted); });
+}
+
+using EagerFn = ffi::Error (*)(Call&, int64_t, int64_t, int64_t, int64_t, ffi::DataType,
+                               ffi::Span<const int64_t>);
+struct EagerOp {
+  const char* name;
+  EagerFn run;  // nullptr: not run eagerly here
+};
+#define MPICOLL_EAGER_ROW(Type, text, ...) \
+  {text, Type::kFamily == kBlocks ? &EagerOnHost<Type> : nullptr},
+const EagerOp eager_ops[] = {MPICOLL_OPS(MPICOLL_EAGER_ROW)};
+#undef MPICOLL_EAGER_ROW
+constexpr int kNumEagerOps = sizeof(eager_ops) / sizeof(eager_ops[0]);
+
+
+// ---------------------------------------------------------------------------
 // Python module: registrations(), initialize(), register_comm(), build_info(),
 // cuda_aware_mpi().
 
@@ -1726,7 +1785,10 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
   }
   std::string message;
   Py_BEGIN_ALLOW_THREADS
-  message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  {  // released before the GIL is taken back
+    SerializedMpiScope serialized;
+    message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  }
   Py_END_ALLOW_THREADS
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
@@ -1737,6 +1799,89 @@ PyObject* SetTimeout(PyObject*, PyObject* arg) {
   timeout_seconds.store(seconds > 0 ? seconds : 0.0);
   if (seconds > 0 && !watchdog_started.exchange(true)) std::thread(Watchdog).detach();
   Py_RETURN_NONE;
+}
+
+// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
+PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  serialize_mpi_calls.store(on != 0);
+  Py_RETURN_NONE;
+}
+
+// The ops eager_call runs, by index: their names (None where not run here).
+PyObject* EagerOps(PyObject*, PyObject*) {
+  PyObject* names = PyList_New(kNumEagerOps);
+  if (!names) return nullptr;
+  for (int i = 0; i < kNumEagerOps; ++i) {
+    PyObject* name = eager_ops[i].run ? PyUnicode_FromString(eager_ops[i].name) : Py_None;
+    if (!eager_ops[i].run) Py_INCREF(Py_None);
+    if (!name) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+    PyList_SET_ITEM(names, i, name);
+  }
+  return names;
+}
+
+const char* ErrorCodeName(const ffi::Error& err) {
+  switch (err.errc().value_or(ffi::ErrorCode::kUnknown)) {
+    case ffi::ErrorCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case ffi::ErrorCode::kInternal: return "INTERNAL";
+    default: return "UNKNOWN";
+  }
+}
+
+// (op index, slot, root, op, site, dtype code, shape, input, output) -> None, or
+// (error code, message) when the collective failed: Python raises it as XLA
+// would have.  input: any contiguous buffer of shape x dtype; output: a
+// writable one of the op's output size.
+PyObject* EagerCall(PyObject*, PyObject* args) {
+  int index, dtype_code;
+  long long slot, root, op, site;
+  PyObject* shape;
+  Py_buffer in, out;
+  if (!PyArg_ParseTuple(args, "iLLLLiO!y*w*", &index, &slot, &root, &op, &site, &dtype_code,
+                        &PyTuple_Type, &shape, &in, &out)) {
+    return nullptr;
+  }
+  struct Release {
+    Py_buffer* in;
+    Py_buffer* out;
+    ~Release() {
+      PyBuffer_Release(in);
+      PyBuffer_Release(out);
+    }
+  } release{&in, &out};
+  const auto dtype = static_cast<ffi::DataType>(dtype_code);
+  const size_t width = ffi::ByteWidth(dtype);
+  std::vector<int64_t> dims(PyTuple_GET_SIZE(shape));
+  size_t elements = 1;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    if (dims[i] == -1 && PyErr_Occurred()) return nullptr;
+    elements *= static_cast<size_t>(dims[i]);
+  }
+  // Python passes what the op needs; this guards direct misuse.
+  if (index < 0 || index >= kNumEagerOps || !eager_ops[index].run || width == 0 ||
+      static_cast<size_t>(in.len) != elements * width ||
+      static_cast<size_t>(out.len) % width != 0) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll eager_call: bad op index, dtype or buffer size");
+    return nullptr;
+  }
+  Call c{};
+  c.in = static_cast<char*>(in.buf);
+  c.out = static_cast<char*>(out.buf);
+  c.in_count = elements;
+  c.out_count = static_cast<size_t>(out.len) / width;
+  ffi::Error err;
+  Py_BEGIN_ALLOW_THREADS
+  err = eager_ops[index].run(c, slot, root, op, site, dtype,
+                             ffi::Span<const int64_t>(dims.data(), dims.size()));
+  Py_END_ALLOW_THREADS
+  if (err.success()) Py_RETURN_NONE;
+  return Py_BuildValue("(ss)", ErrorCodeName(err), err.message().c_str());
 }
 
 PyObject* PyAbortJob(PyObject*, PyObject* arg) {
@@ -1770,6 +1915,11 @@ PyMethodDef methods[] = {
     {"begin_setup", BeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
+    {"set_serialized_mpi", SetSerializedMpi, METH_O,
+     "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
+    {"eager_ops", EagerOps, METH_NOARGS, "The op names eager_call runs, by index (None: not)."},
+    {"eager_call", EagerCall, METH_VARARGS,
+     "Run a rank-block collective on host buffers now, on this thread (see EagerOnHost)."},
     {"abort_job", PyAbortJob, METH_O,
      "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
