@@ -15,7 +15,7 @@ at these levels:
 
   single      mpi4py.rc.thread_level = "single": the C floor and mpi4py only
               (mpicoll needs SERIALIZED at least: XLA calls MPI from its threads)
-  serialized  MPICOLL_THREAD_LEVEL=serialized (MPI_THREAD_SERIALIZED)
+  serialized  mpi4py.rc.thread_level = "serialized": mpicoll's serialized mode
   multiple    the default (MPI_THREAD_MULTIPLE)
 
 Each cell: k calls per run (k for ~20 ms), a barrier first, the slowest rank's
@@ -39,10 +39,7 @@ IMPLS = ("c-floor", "mpicoll-jit", "mpicoll-eager", "mpi4py")
 def job(args):
     """One MPI job at args.job's thread level: prints one JSON line (rank 0)."""
     import mpi4py
-    if args.job == "single":
-        mpi4py.rc.thread_level = "single"
-    else:
-        os.environ["MPICOLL_THREAD_LEVEL"] = args.job
+    mpi4py.rc.thread_level = args.job
     import numpy as np
     from mpi4py import MPI
 
@@ -88,7 +85,7 @@ def job(args):
         import jax.numpy as jnp
 
         import mpicoll
-        assert mpicoll.thread_mode() == args.job, mpicoll.thread_mode()
+        assert mpicoll.thread_mode() == args.job, (mpicoll.thread_mode(), args.job)
         mine = jnp.full(1, world.Get_rank() + 1, jnp.float32)
 
         def jit_setup():
@@ -141,7 +138,7 @@ def drive(args):
             command = [*shlex.split(args.mpiexec), sys.executable, os.path.abspath(__file__),
                        "--job", level, "--floor-lib", args.floor_lib,
                        "--repeats", str(args.repeats), "--target-ms", str(args.target_ms)]
-            env = {k: v for k, v in os.environ.items() if k != "MPICOLL_THREAD_LEVEL"}
+            env = {k: v for k, v in os.environ.items() if k != "MPI4PY_RC_THREAD_LEVEL"}
             done = subprocess.run(command, capture_output=True, text=True, env=env,
                                   timeout=args.job_timeout)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -217,8 +217,7 @@ def _format(reports):
     modes = sorted({r["thread_mode"] for r in reports})
     lines.append("thread level:  " + ", ".join(_THREAD_LEVELS[lv] for lv in levels)
                  + ("" if len(levels) == 1 else "  (differs between ranks!)")
-                 + f"; mpicoll's mode: {', '.join(modes)}"
-                 + (" (MPICOLL_THREAD_LEVEL)" if modes == ["serialized"] else ""))
+                 + f"; mpicoll's mode: {', '.join(modes)}")
     hosts = {}
     for r in reports:
         hosts.setdefault(r["topology"].hostname, []).append(r["topology"].rank)

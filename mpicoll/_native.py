@@ -3,27 +3,11 @@
 import atexit
 import os
 import re
-import sys
 
 import jax
-import mpi4py
-
-# --- Thread level ----------------------------------------------------------------
-# "multiple" (default): MPI_THREAD_MULTIPLE; every local device's thread calls MPI
-# at once under pmap/shard_map.  "serialized": MPI_THREAD_SERIALIZED for one local
-# device per process; MPI then skips the locking MULTIPLE costs every call, and
-# mpicoll serializes its own calls (see SERIALIZED below).  Read here, before
-# mpi4py initializes MPI; if the user initialized MPI first, its thread level
-# decides (mpi4py.rc.thread_level = "serialized" selects the mode too).
-THREAD_MODES = ("multiple", "serialized")
-_ASKED_THREAD_MODE = os.environ.get("MPICOLL_THREAD_LEVEL", "").strip().lower() or None
-if _ASKED_THREAD_MODE not in (None, *THREAD_MODES):
-    raise ImportError(f"mpicoll: MPICOLL_THREAD_LEVEL={_ASKED_THREAD_MODE!r}; use one of "
-                      f"{', '.join(THREAD_MODES)}")
-if "mpi4py.MPI" not in sys.modules and _ASKED_THREAD_MODE is not None:
-    mpi4py.rc.thread_level = _ASKED_THREAD_MODE
-
-from mpi4py import MPI  # noqa: E402  (initializes MPI at mpi4py.rc.thread_level)
+# Initializes MPI at mpi4py's thread level: MPI_THREAD_MULTIPLE unless the user
+# chose another (MPI4PY_RC_THREAD_LEVEL, or mpi4py.rc.thread_level before this).
+from mpi4py import MPI
 
 # What a user runs to (re)build the extension against the MPI they run with.
 _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
@@ -90,21 +74,21 @@ _THREAD_LEVEL_NAMES = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
                        MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
                        MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
                        MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
-if THREAD_LEVEL < MPI.THREAD_SERIALIZED or (_ASKED_THREAD_MODE == "multiple"
-                                            and THREAD_LEVEL < MPI.THREAD_MULTIPLE):
+if THREAD_LEVEL < MPI.THREAD_SERIALIZED:
     raise ImportError(
         "mpicoll needs MPI_THREAD_MULTIPLE, or MPI_THREAD_SERIALIZED with one local device "
-        "per process (MPICOLL_THREAD_LEVEL=serialized): XLA runs collectives on its own "
-        f"threads, but MPI provides {_THREAD_LEVEL_NAMES.get(THREAD_LEVEL, THREAD_LEVEL)}. "
-        "Do not set mpi4py.rc.thread_level below 'serialized', and use an MPI built with "
-        "thread support.")
-# Serialized mode: asked for, or the level MPI was initialized at (by the user, or
-# an MPI without MULTIPLE).  mpicoll's MPI calls take one lock in the extension,
-# and each dispatch of a program with collectives completes before it returns
-# (collectives.py), so no mpicoll MPI call is in flight while Python runs: the
-# user's own mpi4py calls cannot overlap one.  Several local devices would call
-# MPI from several threads at once: comm.py refuses them at first use.
-SERIALIZED = _ASKED_THREAD_MODE == "serialized" or THREAD_LEVEL < MPI.THREAD_MULTIPLE
+        "per process: XLA runs collectives on its own threads, but MPI provides "
+        f"{_THREAD_LEVEL_NAMES.get(THREAD_LEVEL, THREAD_LEVEL)}. Set MPI4PY_RC_THREAD_LEVEL "
+        "(or mpi4py.rc.thread_level) to 'multiple' (mpi4py's default) or 'serialized', and "
+        "use an MPI built with thread support.")
+# The serialized mode (MPI_THREAD_SERIALIZED, one local device per process):
+# MPI skips the locking MULTIPLE costs every call, so mpicoll makes sure no two
+# MPI calls overlap.  Its own calls take one lock in the extension, and each
+# dispatch of a program with collectives completes before it returns
+# (collectives.py), so no mpicoll MPI call is in flight while Python runs and
+# the user's own mpi4py calls cannot overlap one.  Several local devices would
+# call MPI from several threads at once: comm.py refuses them at first use.
+SERIALIZED = THREAD_LEVEL < MPI.THREAD_MULTIPLE
 extension.set_serialized_mpi(SERIALIZED)
 
 

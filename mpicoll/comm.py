@@ -96,11 +96,10 @@ def _register(comm, caller):
                            f"supports {_BUILD['max_local_devices']}")
     if _native.SERIALIZED and local_devices > 1:
         raise RuntimeError(
-            f"mpicoll.{caller}: mpicoll runs at MPI_THREAD_SERIALIZED "
-            f"(MPICOLL_THREAD_LEVEL=serialized, or MPI initialized below "
-            f"MPI_THREAD_MULTIPLE), which allows one local device per process, but JAX has "
-            f"{local_devices} here: their threads would call MPI at once. Use one device per "
-            "process, or MPI_THREAD_MULTIPLE (unset MPICOLL_THREAD_LEVEL)")
+            f"mpicoll.{caller}: MPI runs at MPI_THREAD_SERIALIZED, where mpicoll allows one "
+            f"local device per process, but JAX has {local_devices} here: their threads would "
+            "call MPI at once. Use one device per process, or MPI_THREAD_MULTIPLE "
+            "(MPI4PY_RC_THREAD_LEVEL=multiple, mpi4py's default)")
     if not _free_slots:
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")

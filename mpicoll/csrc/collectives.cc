@@ -714,10 +714,10 @@ struct InFlightScope {
 };
 
 // ---------------------------------------------------------------------------
-// Serialized MPI (MPICOLL_THREAD_LEVEL=serialized, one local device per
-// process): MPI runs at MPI_THREAD_SERIALIZED, which allows calls from several
-// threads (XLA's, Python's) but never two at once, and skips the locking
-// MPI_THREAD_MULTIPLE costs every call.  mpicoll's own MPI calls take this
+// Serialized MPI (one local device per process; _native.SERIALIZED): at
+// MPI_THREAD_SERIALIZED, MPI allows calls from several threads (XLA's,
+// Python's) but never two at once, and skips the locking MPI_THREAD_MULTIPLE
+// costs every call.  mpicoll's own MPI calls take this
 // one lock while the mode is on; Python makes each dispatch of a program with
 // collectives complete before it returns, so the user's mpi4py calls never
 // overlap them.  Any other thread of mpicoll's that calls MPI (a progress
@@ -1833,27 +1833,25 @@ const char* ErrorCodeName(const ffi::Error& err) {
   }
 }
 
-// (op index, slot, root, op, site, dtype code, shape, input, output) -> None, or
-// (error code, message) when the collective failed: Python raises it as XLA
-// would have.  input: any contiguous buffer of shape x dtype; output: a
-// writable one of the op's output size.
+// (op index, slot, root, op, site, dtype code, shape, input address, output) ->
+// None, or (error code, message) when the collective failed: Python raises it
+// as XLA would have.  The input: shape x dtype, contiguous, at that address (a
+// ready array's buffer, kept alive by the caller); the output: a writable
+// contiguous buffer of the op's output size.
 PyObject* EagerCall(PyObject*, PyObject* args) {
   int index, dtype_code;
   long long slot, root, op, site;
+  unsigned long long in_address;
   PyObject* shape;
-  Py_buffer in, out;
-  if (!PyArg_ParseTuple(args, "iLLLLiO!y*w*", &index, &slot, &root, &op, &site, &dtype_code,
-                        &PyTuple_Type, &shape, &in, &out)) {
+  Py_buffer out;
+  if (!PyArg_ParseTuple(args, "iLLLLiO!Kw*", &index, &slot, &root, &op, &site, &dtype_code,
+                        &PyTuple_Type, &shape, &in_address, &out)) {
     return nullptr;
   }
   struct Release {
-    Py_buffer* in;
-    Py_buffer* out;
-    ~Release() {
-      PyBuffer_Release(in);
-      PyBuffer_Release(out);
-    }
-  } release{&in, &out};
+    Py_buffer* buffer;
+    ~Release() { PyBuffer_Release(buffer); }
+  } release{&out};
   const auto dtype = static_cast<ffi::DataType>(dtype_code);
   const size_t width = ffi::ByteWidth(dtype);
   std::vector<int64_t> dims(PyTuple_GET_SIZE(shape));
@@ -1865,13 +1863,12 @@ PyObject* EagerCall(PyObject*, PyObject* args) {
   }
   // Python passes what the op needs; this guards direct misuse.
   if (index < 0 || index >= kNumEagerOps || !eager_ops[index].run || width == 0 ||
-      static_cast<size_t>(in.len) != elements * width ||
-      static_cast<size_t>(out.len) % width != 0) {
+      (elements > 0 && in_address == 0) || static_cast<size_t>(out.len) % width != 0) {
     PyErr_SetString(PyExc_ValueError, "mpicoll eager_call: bad op index, dtype or buffer size");
     return nullptr;
   }
   Call c{};
-  c.in = static_cast<char*>(in.buf);
+  c.in = reinterpret_cast<char*>(static_cast<uintptr_t>(in_address));
   c.out = static_cast<char*>(out.buf);
   c.in_count = elements;
   c.out_count = static_cast<size_t>(out.len) / width;

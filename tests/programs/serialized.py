@@ -1,7 +1,7 @@
 """mpicoll at MPI_THREAD_SERIALIZED, run as `mpiexec -n R python serialized.py L`.
 
-tests/test_thread_level.py runs it with MPICOLL_THREAD_LEVEL=serialized (or
-with mpi4py.rc.thread_level set to "serialized" by `--user-level`).  With L = 1
+tests/test_thread_level.py runs it with MPI4PY_RC_THREAD_LEVEL=serialized (or
+with mpi4py.rc.thread_level set to "serialized" by `--rc`).  With L = 1
 local device every rank checks, against numpy on every rank's data: jitted
 collectives (one, several in a program, in a fori_loop, a pytree, a ring of
 sendrecv), eager calls, and the user's own mpi4py calls interleaved with them
@@ -18,7 +18,7 @@ import sys
 LOCAL = int(sys.argv[1])
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={LOCAL}")
-if "--user-level" in sys.argv:  # the user picks the level through mpi4py, before mpicoll
+if "--rc" in sys.argv:  # the level chosen in Python, before mpi4py.MPI is imported
     import mpi4py
     mpi4py.rc.thread_level = "serialized"
 
