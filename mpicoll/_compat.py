@@ -239,27 +239,3 @@ def complete_dispatches_with(effect_type):
     token_set.set_token_result = set_token_result
     return True
 
-
-# --- eager calls on host arrays --------------------------------------------
-from jax._src.lib import xla_client as _xla_client  # noqa: E402
-from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding  # noqa: E402
-
-
-def single_device_of(x):
-    """The device of an array on exactly one device, else None."""
-    sharding = x.sharding
-    return sharding._device if type(sharding) is _SingleDeviceSharding else None
-
-
-def buffer_address(x):
-    """The address of a ready single-device array's buffer (valid while x lives)."""
-    return x.unsafe_buffer_pointer()
-
-
-def host_to_array(aval, sharding, device, host, committed):
-    """A jax array on device holding a copy of the numpy array host (aval: its type).
-
-    The bare constructor jax.device_put ends in, without its Python layers
-    (tens of microseconds for a 4-byte array here).
-    """
-    return _xla_client.batched_device_put(aval, sharding, [host], [device], committed, True)

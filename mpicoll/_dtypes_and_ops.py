@@ -25,17 +25,6 @@ DTYPE_FAMILIES = {
     **{np.dtype(t): COMPLEX for t in (np.complex64, np.complex128)},
 }
 
-# XLA's numbers for the dtypes (xla::ffi::DataType), for calls into the extension
-# that do not go through XLA (collectives.py: eager calls on host arrays).
-FFI_DTYPE_CODES = {
-    np.dtype(np.bool_): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
-    np.dtype(np.int64): 5, np.dtype(np.uint8): 6, np.dtype(np.uint16): 7,
-    np.dtype(np.uint32): 8, np.dtype(np.uint64): 9, np.dtype(np.float16): 10,
-    np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(ml_dtypes.bfloat16): 16,
-    np.dtype(np.complex64): 15, np.dtype(np.complex128): 18,
-}
-assert set(FFI_DTYPE_CODES) == set(DTYPE_FAMILIES)
-
 # Reduction op name -> the dtype families it is defined for.
 OP_FAMILIES = {
     "sum": (INTEGER, FLOATING, COMPLEX),

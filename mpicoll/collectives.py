@@ -520,10 +520,10 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
     """
     agree = _agreed if spec.family != "peer" else _validate_alone
     if _compat.at_top_level():
-        call, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
-                        transpose_sums, static)
+        program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
+                           transpose_sums, static)
         jax.effects_barrier()  # pending jitted collectives first: they come earlier in order
-        return call(x)
+        return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
@@ -580,89 +580,32 @@ _EAGER_PROGRAMS = {}
 
 
 def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
-    """The call for a collective outside any trace (an _EagerCall, cached), and x as an array.
+    """The program for a call outside any trace (cached), and x as an array.
 
-    The call runs synchronously: completing it before returning keeps MPI order
-    across eager calls without JAX's ordered-effect tokens.  Jitted work that is
-    still pending finishes first (the caller's effects_barrier), so it cannot
-    be overtaken.
+    The caller runs it synchronously: completing the call before returning
+    keeps MPI order across eager calls without JAX's ordered-effect tokens, so
+    JAX's C++ dispatch fast path applies (microseconds instead of the Python
+    path).  Jitted work that is still pending finishes first (effects_barrier),
+    so it cannot be overtaken.
     """
     x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
     slot = None if comm is None else comm_layer.resolve(comm, spec.name).slot
     cacheable = type(root) is int and (op is None or type(op) is str)
     key = ((spec.name, slot, root, op, transpose_sums, x.dtype, x.shape, static) if cacheable
            else None)
-    call = _EAGER_PROGRAMS.get(key)
-    if call is None:
+    program = _EAGER_PROGRAMS.get(key)
+    if program is None:
         x, params = _validated_params(spec, x, comm, root, op, transpose_sums, static)
-        call = _eager_call(spec.name, tuple(params.items()), x.dtype, x.shape)
+        program = _eager_program(spec.name, tuple(params.items()))
         if cacheable:
-            _EAGER_PROGRAMS[key] = call
-    return call, x
+            _EAGER_PROGRAMS[key] = program
+    return program, x
 
 
 @functools.lru_cache(maxsize=None)
 def _eager_program(name, params):
     primitive = PRIMITIVES[name]
     return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False, alias=False))
-
-
-# Eager calls on a CPU array skip XLA: a compiled program around one MPI call
-# costs several microseconds of dispatch (a 4-byte allreduce took ~3x longer
-# that way than mpi4py's).  The extension runs the collective on the array's
-# buffer (once the array is ready), on this thread, through the same checks,
-# timeout and errors as its FFI handler, into a numpy buffer that becomes the
-# result.  Rank-block collectives on local device 0 (the communicator a
-# compiled eager call on that device uses); the rest take the compiled program.
-_HOST_OPS = {name: index for index, name in enumerate(_native.extension.eager_ops()) if name}
-_host_device = []  # [local device 0] once known, if it is a CPU
-
-
-def _host_device_zero():
-    if not _host_device:
-        device = jax.local_devices()[0]
-        _host_device.append(device if device.platform == "cpu" else None)
-    return _host_device[0]
-
-
-@functools.lru_cache(maxsize=None)
-def _eager_call(name, params, dtype, shape):
-    program = _eager_program(name, params)
-    index = _HOST_OPS.get(name)
-    if index is None:
-        return _EagerCall(program, None)
-    named = dict(params)
-    out_shape = tuple(_SPECS_BY_NAME[name].out_shape(shape, named))
-    # One site number for every call of this signature, as its compiled program
-    # has: the first-run check compares its first call across ranks.
-    host = (index, named["comm"], named["root"], named["op"], next(_call_sites),
-            _dtypes_and_ops.FFI_DTYPE_CODES[dtype], shape, out_shape, dtype,
-            # The result's type, as the compiled program gives it: weak if x is.
-            (_compat.ShapedArray(out_shape, dtype),
-             _compat.ShapedArray(out_shape, dtype, weak_type=True)))
-    return _EagerCall(program, host)
-
-
-class _EagerCall:
-    """One eager signature: on the host through the extension where it can, else compiled."""
-    __slots__ = ("program", "host")
-
-    def __init__(self, program, host):
-        self.program, self.host = program, host
-
-    def __call__(self, x):
-        host = self.host
-        device = None if host is None else _compat.single_device_of(x)
-        if device is None or device is not _host_device_zero():
-            return self.program(x).block_until_ready()
-        index, slot, root, op, site, dtype_code, shape, out_shape, dtype, avals = host
-        x.block_until_ready()  # its producer has written it
-        out = np.empty(out_shape, dtype)
-        failure = _native.extension.eager_call(index, slot, root, op, site, dtype_code, shape,
-                                                _compat.buffer_address(x), out)
-        if failure is not None:  # what XLA would have raised for the handler's error
-            raise jax.errors.JaxRuntimeError(f"{failure[0]}: {failure[1]}")
-        return _compat.host_to_array(avals[x.weak_type], x.sharding, device, out, x.committed)
 
 
 # ---------------------------------------------------------------------------

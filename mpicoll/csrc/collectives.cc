@@ -717,11 +717,11 @@ struct InFlightScope {
 // Serialized MPI (one local device per process; _native.SERIALIZED): at
 // MPI_THREAD_SERIALIZED, MPI allows calls from several threads (XLA's,
 // Python's) but never two at once, and skips the locking MPI_THREAD_MULTIPLE
-// costs every call.  mpicoll's own MPI calls take this
-// one lock while the mode is on; Python makes each dispatch of a program with
-// collectives complete before it returns, so the user's mpi4py calls never
-// overlap them.  Any other thread of mpicoll's that calls MPI (a progress
-// thread) must hold it too.  Off (MULTIPLE): no lock, MPI does its own.
+// costs every call.  mpicoll's own MPI calls take this one lock while the
+// mode is on; Python makes each dispatch of a program with collectives
+// complete before it returns, so the user's mpi4py calls never overlap them.
+// Any other thread of mpicoll's that calls MPI (a progress thread) must hold
+// it too.  Off (MULTIPLE): no lock, MPI does its own.
 std::mutex serialized_mpi_mutex;
 std::atomic<bool> serialize_mpi_calls{false};
 
@@ -1529,39 +1529,6 @@ std::vector<Registration> CpuRegistrations() {
 #endif
 
 // ---------------------------------------------------------------------------
-// Eager calls without XLA (collectives.py, _eager_on_host).  An eager
-// collective on a CPU array is one MPI call, but a compiled program around it
-// costs several microseconds of dispatch.  Python hands over the input array's
-// buffer (its pending work done) and a fresh output buffer; the collective
-// runs on the calling thread through the same Execute as the FFI handlers
-// (checks across ranks, timeout, the serialized-MPI lock, error messages), on
-// local device 0's communicator.  The rank-block family only: the others take
-// ints (counts, peers) and stay on the compiled path.
-template <typename Op>
-ffi::Error EagerOnHost(Call& c, int64_t comm_slot, int64_t root, int64_t op, int64_t site,
-                       ffi::DataType dtype, ffi::Span<const int64_t> dims) {
-  if (ffi::Error err = Prepare<Op>(c, 0, comm_slot, root, op, site, dtype); err.failure()) {
-    return err;
-  }
-  HostMemory memory;
-  return Execute<Op>(c, 0, memory,
-                     [&] { return Describe(c, dtype, dims, Op::kReduces, Op::kRooted); });
-}
-
-using EagerFn = ffi::Error (*)(Call&, int64_t, int64_t, int64_t, int64_t, ffi::DataType,
-                               ffi::Span<const int64_t>);
-struct EagerOp {
-  const char* name;
-  EagerFn run;  // nullptr: not run eagerly here
-};
-#define MPICOLL_EAGER_ROW(Type, text, ...) \
-  {text, Type::kFamily == kBlocks ? &EagerOnHost<Type> : nullptr},
-const EagerOp eager_ops[] = {MPICOLL_OPS(MPICOLL_EAGER_ROW)};
-#undef MPICOLL_EAGER_ROW
-constexpr int kNumEagerOps = sizeof(eager_ops) / sizeof(eager_ops[0]);
-
-
-// ---------------------------------------------------------------------------
 // Python module: registrations(), initialize(), register_comm(), build_info(),
 // cuda_aware_mpi().
 
@@ -1809,78 +1776,6 @@ PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// The ops eager_call runs, by index: their names (None where not run here).
-PyObject* EagerOps(PyObject*, PyObject*) {
-  PyObject* names = PyList_New(kNumEagerOps);
-  if (!names) return nullptr;
-  for (int i = 0; i < kNumEagerOps; ++i) {
-    PyObject* name = eager_ops[i].run ? PyUnicode_FromString(eager_ops[i].name) : Py_None;
-    if (!eager_ops[i].run) Py_INCREF(Py_None);
-    if (!name) {
-      Py_DECREF(names);
-      return nullptr;
-    }
-    PyList_SET_ITEM(names, i, name);
-  }
-  return names;
-}
-
-const char* ErrorCodeName(const ffi::Error& err) {
-  switch (err.errc().value_or(ffi::ErrorCode::kUnknown)) {
-    case ffi::ErrorCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case ffi::ErrorCode::kInternal: return "INTERNAL";
-    default: return "UNKNOWN";
-  }
-}
-
-// (op index, slot, root, op, site, dtype code, shape, input address, output) ->
-// None, or (error code, message) when the collective failed: Python raises it
-// as XLA would have.  The input: shape x dtype, contiguous, at that address (a
-// ready array's buffer, kept alive by the caller); the output: a writable
-// contiguous buffer of the op's output size.
-PyObject* EagerCall(PyObject*, PyObject* args) {
-  int index, dtype_code;
-  long long slot, root, op, site;
-  unsigned long long in_address;
-  PyObject* shape;
-  Py_buffer out;
-  if (!PyArg_ParseTuple(args, "iLLLLiO!Kw*", &index, &slot, &root, &op, &site, &dtype_code,
-                        &PyTuple_Type, &shape, &in_address, &out)) {
-    return nullptr;
-  }
-  struct Release {
-    Py_buffer* buffer;
-    ~Release() { PyBuffer_Release(buffer); }
-  } release{&out};
-  const auto dtype = static_cast<ffi::DataType>(dtype_code);
-  const size_t width = ffi::ByteWidth(dtype);
-  std::vector<int64_t> dims(PyTuple_GET_SIZE(shape));
-  size_t elements = 1;
-  for (size_t i = 0; i < dims.size(); ++i) {
-    dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-    if (dims[i] == -1 && PyErr_Occurred()) return nullptr;
-    elements *= static_cast<size_t>(dims[i]);
-  }
-  // Python passes what the op needs; this guards direct misuse.
-  if (index < 0 || index >= kNumEagerOps || !eager_ops[index].run || width == 0 ||
-      (elements > 0 && in_address == 0) || static_cast<size_t>(out.len) % width != 0) {
-    PyErr_SetString(PyExc_ValueError, "mpicoll eager_call: bad op index, dtype or buffer size");
-    return nullptr;
-  }
-  Call c{};
-  c.in = reinterpret_cast<char*>(static_cast<uintptr_t>(in_address));
-  c.out = static_cast<char*>(out.buf);
-  c.in_count = elements;
-  c.out_count = static_cast<size_t>(out.len) / width;
-  ffi::Error err;
-  Py_BEGIN_ALLOW_THREADS
-  err = eager_ops[index].run(c, slot, root, op, site, dtype,
-                             ffi::Span<const int64_t>(dims.data(), dims.size()));
-  Py_END_ALLOW_THREADS
-  if (err.success()) Py_RETURN_NONE;
-  return Py_BuildValue("(ss)", ErrorCodeName(err), err.message().c_str());
-}
-
 PyObject* PyAbortJob(PyObject*, PyObject* arg) {
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) return nullptr;
@@ -1914,9 +1809,6 @@ PyMethodDef methods[] = {
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
     {"set_serialized_mpi", SetSerializedMpi, METH_O,
      "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
-    {"eager_ops", EagerOps, METH_NOARGS, "The op names eager_call runs, by index (None: not)."},
-    {"eager_call", EagerCall, METH_VARARGS,
-     "Run a rank-block collective on host buffers now, on this thread (see EagerOnHost)."},
     {"abort_job", PyAbortJob, METH_O,
      "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
