@@ -31,6 +31,7 @@ from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
+from ._native import thread_mode  # noqa: E402
 
 _failures.configure_from_environment()
 set_autodiff(_failures.choice_from_environment("MPICOLL_AUTODIFF", ("checked", "convention")))
@@ -39,4 +40,4 @@ __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgathe
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
            "clear_error", "default_comm", "exscan", "gather", "gatherv", "mesh", "pvary", "recv",
            "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
-           "set_autodiff", "set_check_mode", "set_timeout"]
+           "set_autodiff", "set_check_mode", "set_timeout", "thread_mode"]

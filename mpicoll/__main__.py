@@ -57,6 +57,7 @@ def _rank_report():
         "local_ranks": check.local_ranks,
         "collective": collective,
         "thread_level": MPI.Query_thread(),
+        "thread_mode": mpicoll.thread_mode(),
         "library": MPI.Get_library_version().strip(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
@@ -213,8 +214,10 @@ def _format(reports):
         lines.append(f"workaround:    this MPI's MPI_SUM saturates for {', '.join(replaced)} "
                      "(open-mpi/ompi#8045); mpicoll sums them with its own wrapping operator")
     levels = sorted({r["thread_level"] for r in reports})
+    modes = sorted({r["thread_mode"] for r in reports})
     lines.append("thread level:  " + ", ".join(_THREAD_LEVELS[lv] for lv in levels)
-                 + ("" if len(levels) == 1 else "  (differs between ranks!)"))
+                 + ("" if len(levels) == 1 else "  (differs between ranks!)")
+                 + f"; mpicoll's mode: {', '.join(modes)}")
     hosts = {}
     for r in reports:
         hosts.setdefault(r["topology"].hostname, []).append(r["topology"].rank)

@@ -5,7 +5,9 @@ import os
 import re
 
 import jax
-from mpi4py import MPI  # initializes MPI (THREAD_MULTIPLE unless the user chose otherwise)
+# Initializes MPI at mpi4py's thread level: MPI_THREAD_MULTIPLE unless the user
+# chose another (MPI4PY_RC_THREAD_LEVEL, or mpi4py.rc.thread_level before this).
+from mpi4py import MPI
 
 # What a user runs to (re)build the extension against the MPI they run with.
 _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
@@ -68,11 +70,31 @@ def _check_same_mpi():
 
 _check_same_mpi()
 THREAD_LEVEL = extension.initialize()
-if THREAD_LEVEL < MPI.THREAD_MULTIPLE:
+_THREAD_LEVEL_NAMES = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+                       MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                       MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+                       MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+if THREAD_LEVEL < MPI.THREAD_SERIALIZED:
     raise ImportError(
-        "mpicoll needs MPI_THREAD_MULTIPLE: XLA runs collectives on its own threads while "
-        f"Python may call MPI too, but MPI provides thread level {THREAD_LEVEL}. "
-        "Do not lower mpi4py.rc.thread_level, and use an MPI built with thread support.")
+        "mpicoll needs MPI_THREAD_MULTIPLE, or MPI_THREAD_SERIALIZED with one local device "
+        "per process: XLA runs collectives on its own threads, but MPI provides "
+        f"{_THREAD_LEVEL_NAMES.get(THREAD_LEVEL, THREAD_LEVEL)}. Set MPI4PY_RC_THREAD_LEVEL "
+        "(or mpi4py.rc.thread_level) to 'multiple' (mpi4py's default) or 'serialized', and "
+        "use an MPI built with thread support.")
+# The serialized mode (MPI_THREAD_SERIALIZED, one local device per process):
+# MPI skips the locking MULTIPLE costs every call, so mpicoll makes sure no two
+# MPI calls overlap.  Its own calls take one lock in the extension, and each
+# dispatch of a program with collectives completes before it returns
+# (collectives.py), so no mpicoll MPI call is in flight while Python runs and
+# the user's own mpi4py calls cannot overlap one.  Several local devices would
+# call MPI from several threads at once: comm.py refuses them at first use.
+SERIALIZED = THREAD_LEVEL < MPI.THREAD_MULTIPLE
+extension.set_serialized_mpi(SERIALIZED)
+
+
+def thread_mode():
+    """'serialized' or 'multiple': how mpicoll calls MPI in this process (see above)."""
+    return "serialized" if SERIALIZED else "multiple"
 
 # The platforms this build has handlers for: ("cpu",) or ("cpu", "cuda").
 PLATFORMS = tuple(extension.build_info()["platforms"])

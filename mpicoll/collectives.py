@@ -44,6 +44,13 @@ _compat.register_ordered_effect(MPIEffect)
 # A jitted function with a collective dispatches on JAX's Python path, which
 # threads the effect's runtime token from program to program; see _compat.
 RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
+# Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
+# its dispatch returns, so none is in flight while Python (and mpi4py) runs.
+# Eager calls complete before returning anyway (_bind).
+if _native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
+    raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
+                      f"program, which this JAX ({jax.__version__}) does not let it do; use "
+                      "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
 
 # Every lowered call gets its own site number, an attribute of its custom call:
 # by default the handler compares a site's call across ranks the first time it

@@ -21,6 +21,7 @@ import dataclasses
 import jax
 from mpi4py import MPI
 
+from . import _native
 from ._native import extension
 
 _BUILD = extension.build_info()
@@ -93,6 +94,12 @@ def _register(comm, caller):
     if local_devices > _BUILD["max_local_devices"]:
         raise RuntimeError(f"mpicoll.{caller}: {local_devices} local devices; this build "
                            f"supports {_BUILD['max_local_devices']}")
+    if _native.SERIALIZED and local_devices > 1:
+        raise RuntimeError(
+            f"mpicoll.{caller}: MPI runs at MPI_THREAD_SERIALIZED, where mpicoll allows one "
+            f"local device per process, but JAX has {local_devices} here: their threads would "
+            "call MPI at once. Use one device per process, or MPI_THREAD_MULTIPLE "
+            "(MPI4PY_RC_THREAD_LEVEL=multiple, mpi4py's default)")
     if not _free_slots:
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")

@@ -785,6 +785,31 @@ struct InFlightScope {
   }
 };
 
+// ---------------------------------------------------------------------------
+// Serialized MPI (one local device per process; _native.SERIALIZED): at
+// MPI_THREAD_SERIALIZED, MPI allows calls from several threads (XLA's,
+// Python's) but never two at once, and skips the locking MPI_THREAD_MULTIPLE
+// costs every call.  mpicoll's own MPI calls take this one lock while the
+// mode is on; Python makes each dispatch of a program with collectives
+// complete before it returns, so the user's mpi4py calls never overlap them.
+// Any other thread of mpicoll's that calls MPI (a progress thread) must hold
+// it too.  Off (MULTIPLE): no lock, MPI does its own.
+std::mutex serialized_mpi_mutex;
+std::atomic<bool> serialize_mpi_calls{false};
+
+// Holds serialized_mpi_mutex for one scope when the mode is on.
+class SerializedMpiScope {
+ public:
+  SerializedMpiScope() {
+    if (serialize_mpi_calls.load(std::memory_order_relaxed)) {
+      lock_ = std::unique_lock<std::mutex>(serialized_mpi_mutex);
+    }
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
 // A large output is often memory XLA has just allocated (glibc maps buffers
 // this big afresh and unmaps them when freed), so MPI's first write to it
 // takes a page fault per 4 KiB page: ~100 ms for 128 MiB here, more than the
@@ -1262,6 +1287,7 @@ int RunCollective(Call& c, Memory& memory) {
 // across ranks in check mode (`describe()` says what this rank calls).
 template <typename Op, typename Memory, typename Describe>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
+  SerializedMpiScope serialized;
   InFlightScope watched(c, device);
   if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
   // Rank blocks have the same shapes on every rank, so an empty array skips MPI
@@ -1816,7 +1842,10 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
   }
   std::string message;
   Py_BEGIN_ALLOW_THREADS
-  message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  {  // released before the GIL is taken back
+    SerializedMpiScope serialized;
+    message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  }
   Py_END_ALLOW_THREADS
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
@@ -1826,6 +1855,14 @@ PyObject* SetTimeout(PyObject*, PyObject* arg) {
   if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
   timeout_seconds.store(seconds > 0 ? seconds : 0.0);
   if (seconds > 0 && !watchdog_started.exchange(true)) std::thread(Watchdog).detach();
+  Py_RETURN_NONE;
+}
+
+// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
+PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  serialize_mpi_calls.store(on != 0);
   Py_RETURN_NONE;
 }
 
@@ -1863,6 +1900,8 @@ PyMethodDef methods[] = {
     {"begin_setup", BeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
     {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
+    {"set_serialized_mpi", SetSerializedMpi, METH_O,
+     "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
     {"abort_job", PyAbortJob, METH_O,
      "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
