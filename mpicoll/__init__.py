@@ -25,6 +25,7 @@ from .p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E
 from .vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
 from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
+from .overlap import overlap  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
 
@@ -32,5 +33,5 @@ _failures.configure_from_environment()
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "barrier", "bcast", "check_mode", "clear_error", "default_comm",
-           "exscan", "gather", "gatherv", "pvary", "recv", "reduce", "reduce_scatter", "scan",
+           "exscan", "gather", "gatherv", "overlap", "pvary", "recv", "reduce", "reduce_scatter", "scan",
            "scatter", "scatterv", "send", "sendrecv", "set_check_mode", "set_timeout"]
