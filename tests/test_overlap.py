@@ -18,7 +18,8 @@ from jax import lax
 
 import mpicoll
 from conftest import (COLLECTIVES, RANK, SIZE, WORLD, all_ranks_data, assert_in_step,
-                      assert_same, call, expected, input_shape, reduce_reference)
+                      assert_same, call, expected, input_shape, reduce_reference, serial_only)
+from test_faults import assert_aborted_by_timeout
 
 
 def _targets(program, *args):
@@ -230,3 +231,11 @@ def test_overlap_outside_jit_runs_synchronously_and_matches():
     with mpicoll.overlap():
         out = mpicoll.allreduce(stack[RANK])
     assert_same(out, reduce_reference(stack, "sum"))
+
+
+@serial_only
+def test_timeout_aborts_an_overlapped_call_that_never_completes():
+    """The watchdog sees the progress thread's call (and its wait for the other ranks)."""
+    assert_aborted_by_timeout(
+        "hang-overlapped", r"mpicoll: rank 0 \(rank 0 of mpicoll:solver:device0, local device "
+        r"0\) has waited [\d.]+ s in allreduce \(MPICOLL_TIMEOUT={timeout}\); aborting the job")
