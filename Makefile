@@ -13,8 +13,9 @@
 #   make test-all                `make test` for MPICH+3.11, Open MPI+3.11 and MPICH+3.12
 #   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
-#                                benchmarks/results/); then dispatch.py, check_mode.py and
+#                                benchmarks/results/); then dispatch.py, check_mode.py,
 #                                thread_level.py (a 4 B allreduce at each MPI thread level)
+#                                and overlap.py (mpicoll.overlap() step times)
 #   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
 #                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
 #   make clean                   remove the venvs and every build product
@@ -307,6 +308,10 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/check_mode.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/thread_level.py \
 	    --floor-lib $(FLOOR_LIB) --mpiexec '$(MPIEXEC) $(MPIEXEC_FLAGS) -n 2'
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/overlap.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/overlap.py --xla-threads 1 --skip-small
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

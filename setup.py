@@ -111,6 +111,7 @@ class MPIBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("mpicoll._mpicoll_ffi", ["mpicoll/csrc/collectives.cc"],
-                           depends=["mpicoll/csrc/cuda_memory.h"])],
+                           depends=["mpicoll/csrc/cuda_memory.h",
+                                    "mpicoll/csrc/progress.h"])],
     cmdclass={"build_ext": MPIBuildExt},
 )

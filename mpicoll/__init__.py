@@ -29,6 +29,7 @@ from .p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E
 from .vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
 from .comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
+from .overlap import overlap  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
 from ._native import thread_mode  # noqa: E402
@@ -38,6 +39,6 @@ set_autodiff(_failures.choice_from_environment("MPICOLL_AUTODIFF", ("checked", "
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
-           "clear_error", "default_comm", "exscan", "gather", "gatherv", "mesh", "pvary", "recv",
-           "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
+           "clear_error", "default_comm", "exscan", "gather", "gatherv", "mesh", "overlap", "pvary",
+           "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
            "set_autodiff", "set_check_mode", "set_timeout", "thread_mode"]

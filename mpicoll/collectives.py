@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _dtypes_and_ops, _native, comm as comm_layer, failures
+from . import _compat, _dtypes_and_ops, _native, comm as comm_layer, failures, overlap
 
 
 class MPIEffect(_compat.Effect):
@@ -320,6 +320,25 @@ def _out_batch_dim(x, dim, out):
     return None if dim is None else dim + out.ndim - x.ndim
 
 
+def _overlapped_target(ctx, target, overlapped):
+    """The FFI target of a call: `mpicoll_<op>_overlapped` for one traced in mpicoll.overlap().
+
+    The param `overlapped` is present (True) only on such calls, so every other
+    program's jaxpr is unchanged.
+    """
+    if not overlapped:
+        return target
+    platforms = set(ctx.module_context.platforms)
+    if platforms - {"cpu"}:
+        raise NotImplementedError(
+            f"{target}: mpicoll.overlap() runs collectives on a progress thread on CPU only "
+            f"for now, not on {sorted(platforms - {'cpu'})}; trace the call outside "
+            "mpicoll.overlap() (it then runs synchronously on XLA's stream)")
+    if target.endswith("_overlapped_fused"):
+        return target
+    return f"{target}_overlapped"
+
+
 def _make_primitive(spec):
     primitive = Primitive(spec.target)
 
@@ -327,7 +346,8 @@ def _make_primitive(spec):
         effects = {mpi_effect} if ordered else set()
         return _typed_output(spec, x, spec.out_shape(x.shape, params), params), effects
 
-    def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), **params):
+    def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), overlapped=False,
+                 **params):
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # In-place ops alias their output to x (operand 1 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
@@ -335,8 +355,8 @@ def _make_primitive(spec):
         # Eager programs do not alias (alias=False): their input is the
         # caller's array, never donated, so aliasing would only add that copy.
         aliases = {1: 1} if spec.in_place and alias else None
-        call = jax.ffi.ffi_lowering(spec.target, has_side_effect=True,
-                                    operand_output_aliases=aliases)
+        call = jax.ffi.ffi_lowering(_overlapped_target(ctx, spec.target, overlapped),
+                                    has_side_effect=True, operand_output_aliases=aliases)
         # ffi_args: the vector and point-to-point families' ints (counts, peers).
         token, out = call(_compat.with_token_avals(ctx), token, x,
                           comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
@@ -413,14 +433,16 @@ def _make_fused_primitive(spec):
         return [_typed_output(spec, x, spec.out_shape(x.shape, params), params)
                 for x in xs], effects
 
-    def lowering(ctx, *xs, comm, size, root, op, ordered, alias, **rules):  # rules: AD-only
+    def lowering(ctx, *xs, comm, size, root, op, ordered, alias, overlapped=False,
+                 **rules):  # rules: AD-only
         token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
         # As for one array: outputs alias inputs where the shapes agree, which
         # in a loop saves XLA one copy per carried array and iteration.
         aliases = ({i + 1: i + 1 for i in range(len(xs))} if spec.in_place and alias
                    else None)
-        call = jax.ffi.ffi_lowering(primitive.name, has_side_effect=True,
-                                    operand_output_aliases=aliases)
+        target = f"{spec.target}_overlapped_fused" if overlapped else primitive.name
+        call = jax.ffi.ffi_lowering(_overlapped_target(ctx, target, overlapped),
+                                    has_side_effect=True, operand_output_aliases=aliases)
         token, *outs = call(_compat.with_token_avals(ctx), token, *xs,
                             comm=np.int64(comm), root=np.int64(root), op=np.int64(op),
                             site=np.int64(next(_call_sites)))
@@ -524,11 +546,13 @@ def _validated_params(spec, x, comm, root, op, transpose_sums, static=()):
 
 
 def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
-          static=()):
+          static=(), overlapped=None):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
 
     ordered=False only for a program that runs synchronously with a single MPI
     call in it (see _collective), where no token is needed to order it.
+    overlapped: run on the progress thread (overlap.py); None: as mpicoll.overlap()
+    says now.  Eager calls are synchronous whatever it says.
     Point-to-point rejections are not compared across the communicator: only
     two of its ranks take part in a message.
     """
@@ -541,6 +565,8 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
     x, params = _typed_input(x, params)
+    if overlap.active() if overlapped is None else overlapped:
+        params["overlapped"] = True
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
 
 
@@ -652,14 +678,15 @@ def _collective(spec, x, **kwargs):
     if spec.reduces:
         kwargs["op"] = _dtypes_and_ops.op_name(kwargs["op"], spec.name)
     if not _compat.at_top_level():  # one program for the tree, its messages in order
-        program = _fused_program(spec, ordered=True, alias=True, **kwargs)
+        program = _fused_program(spec, ordered=True, alias=True, overlapped=overlap.active(),
+                                 **kwargs)
         return jax.tree.unflatten(treedef, program(tuple(leaves)))
     # Eagerly, each message runs like an eager array call: its own cached
     # program, synchronously and without the ordered effect, so JAX dispatches
     # it on its C++ fast path (a program with effects takes its Python path,
     # 1.6 ms instead of 0.45 ms with 100 arrays); completing each before the
     # next keeps the order.  Eager inputs are the caller's arrays: no aliasing.
-    program = _fused_program(spec, ordered=False, alias=False, **kwargs)
+    program = _fused_program(spec, ordered=False, alias=False, overlapped=False, **kwargs)
     results = [None] * len(leaves)
     jax.effects_barrier()
     for indices in _messages(leaves):
@@ -714,7 +741,7 @@ def _each_leaf(tree, leaves, fn, indices=None):
     return results
 
 
-def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
+def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
     messages = _messages(leaves)
     # Without the ordered effect nothing orders two messages in one program.
     assert ordered or len(messages) == 1, "an unordered program holds one message"
@@ -722,10 +749,12 @@ def _fused_leaves(spec, leaves, ordered, alias, **kwargs):
     for indices in messages:
         if len(indices) == 1:
             results[indices[0]] = _bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
-                                        **kwargs)
+                                        overlapped=overlapped, **kwargs)
             continue
         _, params = _validated_params(spec, leaves[indices[0]], kwargs["comm"],
                                       kwargs.get("root", 0), kwargs.get("op"), False)
+        if overlapped:
+            params["overlapped"] = True
         typed = [_typed_input(leaves[i], params) for i in indices]
         outs = FUSED_PRIMITIVES[spec.name].bind(*(x for x, _ in typed), **typed[0][1],
                                                 ordered=ordered, alias=alias)

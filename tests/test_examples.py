@@ -49,6 +49,17 @@ def check_mpi4jax_port(out):
     assert "mpi4jax_port: ok" in out
 
 
+def check_overlap_training(out):
+    assert f"overlap_training: {RANKS} rank(s)" in out
+    for name in ("overlapped", "synchronous", "no communication"):
+        assert re.search(rf"step +{name}: +[\d.]+ ms", out), out
+    assert "overlapped and synchronous parameters equal: True; identical on every rank: True" \
+        in out
+    difference = float(re.search(r"single-process training: ([\d.e+-]+)", out).group(1))
+    assert difference < 1e-4
+    assert "overlap_training: ok" in out
+
+
 def test_mpi4jax_port_differs_from_an_mpi4jax_program_by_its_import_only():
     code = (EXAMPLES / "mpi4jax_port.py").read_text().split('"""', 2)[2]  # after the docstring
     assert [line for line in code.splitlines() if "mpicoll" in line] == [
@@ -63,6 +74,7 @@ CHECKS = {
     "data_parallel_mlp.py": check_data_parallel_mlp,
     "heat_equation.py": check_heat_equation,
     "mpi4jax_port.py": check_mpi4jax_port,
+    "overlap_training.py": check_overlap_training,
 }
 
 

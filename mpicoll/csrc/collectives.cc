@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -41,6 +42,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "progress.h"
 
 #ifdef MPICOLL_CUDA  // GPU support (cuda_memory.h); the CUDA driver is loaded at run time
 #include <cuda.h>
@@ -810,6 +812,46 @@ class SerializedMpiScope {
   std::unique_lock<std::mutex> lock_;
 };
 
+// Overlap (progress.h): overlapped calls run on one progress thread per local
+// device, in the order their handlers were invoked; synchronous calls drain it
+// first.
+// Never destroyed: a progress thread may still wait on its queue's condition
+// variable when static destructors run at exit, and destroying it under the
+// thread hangs the exit.
+mpicoll_progress::ProgressThread* const progress_threads =
+    new mpicoll_progress::ProgressThread[kMaxLocalDevices];
+
+// Before an overlapped collective moves data, its progress thread waits until
+// every rank of the communicator has reached it, testing an MPI_Ibarrier and
+// sleeping in between.  MPI's blocking calls spin while they wait for a late
+// rank, and that spinning would take a core from the computation that runs
+// meanwhile on this rank (on a machine with no spare core, the case where
+// overlap matters most).  Once everyone is there the collective itself runs
+// at full speed.  Costs one barrier per overlapped call, and up to one sleep
+// (kArrivalSleepUs) of latency after the last rank arrives.
+constexpr int64_t kArrivalSpinNs = 20000;
+constexpr int kArrivalSleepUs = 50;
+
+int WaitForArrivals(const Call& c) {
+  if (c.size == 1) return MPI_SUCCESS;
+  MPI_Request request;
+  int rc = MPI_Ibarrier(c.comm, &request);
+  const int64_t spin_until = NowNs() + kArrivalSpinNs;
+  for (int done = 0; rc == MPI_SUCCESS && !done;) {
+    rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (rc == MPI_SUCCESS && !done && NowNs() > spin_until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(kArrivalSleepUs));
+    }
+  }
+  return rc;
+}
+
+// What Execute runs between the check and the collective (overlapped calls:
+// WaitForArrivals).
+struct NothingBeforeRun {
+  int operator()(const Call&) const { return MPI_SUCCESS; }
+};
+
 // A large output is often memory XLA has just allocated (glibc maps buffers
 // this big afresh and unmaps them when freed), so MPI's first write to it
 // takes a page fault per 4 KiB page: ~100 ms for 128 MiB here, more than the
@@ -1285,8 +1327,13 @@ int RunCollective(Call& c, Memory& memory) {
 
 // The MPI part, once c's buffers are set: watched by the timeout, checked
 // across ranks in check mode (`describe()` says what this rank calls).
-template <typename Op, typename Memory, typename Describe>
-ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe) {
+// A synchronous call first lets the device's queued overlapped calls finish
+// (they come earlier in program order), then takes the serialized mode's lock
+// (after draining: the progress thread needs it to finish those calls).
+template <typename Op, typename Memory, typename Describe, typename BeforeRun = NothingBeforeRun>
+ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,
+                   BeforeRun&& before_run = {}) {
+  progress_threads[device].Drain();
   SerializedMpiScope serialized;
   InFlightScope watched(c, device);
   if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
@@ -1295,6 +1342,7 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe)
   if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {
     return ffi::Error::Success();
   }
+  if (int rc = before_run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   const int rc = RunCollective<Op>(c, memory);
   if (rc == kCheckFailed) return ffi::Error::Internal(c.failure);
   if (rc == kTransportFailed) {
@@ -1336,10 +1384,9 @@ ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>&
 // ranks), so the description has the row shape and, where they are the same
 // on every rank, the counts.
 template <typename Op>
-std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
+std::string DescribeShape(const Call& c, ffi::DataType dtype, ffi::Span<const int64_t> dims) {
   if constexpr (Op::kFamily == kVector || Op::kFamily == kVectorPairs) {
-    auto dims = x.dimensions();
-    std::string text = Describe(c, x.element_type(), dims.last(dims.size() - 1), Op::kReduces,
+    std::string text = Describe(c, dtype, dims.last(dims.size() - 1), Op::kReduces,
                                 Op::kRooted);
     text.insert(text.find('[') + 1, dims.size() > 1 ? "*," : "*");
     if constexpr (Op::kFamily == kVector) {
@@ -1350,7 +1397,12 @@ std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
     }
     return text;
   }
-  return Describe(c, x.element_type(), x.dimensions(), Op::kReduces, Op::kRooted);
+  return Describe(c, dtype, dims, Op::kReduces, Op::kRooted);
+}
+
+template <typename Op>
+std::string DescribeArray(const Call& c, const ffi::AnyBuffer& x) {
+  return DescribeShape<Op>(c, x.element_type(), x.dimensions());
 }
 
 // The source and tag each local device's last point-to-point call received
@@ -1386,6 +1438,7 @@ ffi::Error CpuStatusEntry(ffi::Token, ffi::Result<ffi::Token>,
   if (device < 0 || device >= kMaxLocalDevices || out->element_count() != 2) {
     return ffi::Error::InvalidArgument("mpicoll status: bad device or output shape");
   }
+  progress_threads[device].Drain();  // an overlapped recv writes last_status
   std::memcpy(out->typed_data(), last_status[device], sizeof(last_status[device]));
   return ffi::Error::Success();
 }
@@ -1477,17 +1530,11 @@ int HostCopy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, s
   return MPI_SUCCESS;
 }
 
-template <typename Op>
-ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
-                         ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
-                         int64_t op, int64_t site) {
-  Call c{};
-  thread_local FusedArrays arrays;
-  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
-      err.failure()) {
-    return err;
-  }
-  thread_local std::vector<char> packed_in, packed_out;
+// Packs, runs and unpacks a prepared fused call (synchronous or overlapped).
+template <typename Op, typename BeforeRun = NothingBeforeRun>
+ffi::Error RunFused(Call& c, FusedArrays& arrays, std::vector<char>& packed_in,
+                    std::vector<char>& packed_out, int32_t device, const std::string& suffix,
+                    BeforeRun&& before_run = {}) {
   packed_in.resize(c.in_count * c.elem_bytes);
   c.in = packed_in.data();
   if (Op::kInPlace) {
@@ -1500,12 +1547,131 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
     CopyPacked(true, arrays.in, arrays.in_row, arrays.in_rows, c.in, c.elem_bytes, HostCopy2D);
   }
   HostMemory memory;
-  const ffi::DataType dtype = xs.get<ffi::AnyBuffer>(0)->element_type();
-  ffi::Error err = Execute<Op>(c, device, memory,
-                               [&] { return DescribeFused<Op>(c, xs.size(), dtype); });
+  ffi::Error err = Execute<Op>(
+      c, device, memory, [&] { return DescribeFused<Op>(c, arrays.in.size(), c.dtype) + suffix; },
+      before_run);
   if (err.failure()) return err;
   CopyPacked(false, arrays.out, arrays.out_row, arrays.out_rows, c.out, c.elem_bytes, HostCopy2D);
   return ffi::Error::Success();
+}
+
+template <typename Op>
+ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
+                         ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
+                         int64_t op, int64_t site) {
+  Call c{};
+  thread_local FusedArrays arrays;
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
+      err.failure()) {
+    return err;
+  }
+  thread_local std::vector<char> packed_in, packed_out;
+  return RunFused<Op>(c, arrays, packed_in, packed_out, device, "");
+}
+
+// ---------------------------------------------------------------------------
+// Overlapped handlers (see progress.h): the same calls, run on the device's
+// progress thread while XLA goes on with work that does not need the result.
+// The handler decodes the call on XLA's thread (a freed communicator fails at
+// once), copies what the job needs out of XLA's call frame, which does not
+// outlive the handler, queues the job and returns a future the job completes.
+// XLA keeps the buffers alive, and runs nothing that reads the output or the
+// token, until then.  The check's description says "overlapped", so ranks
+// that disagree on overlapping a call get the mismatch error, not a hang.
+constexpr const char* kOverlappedSuffix = ", overlapped";
+
+ffi::Future CompletedFuture(const ffi::Error& err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (err.failure()) {
+    promise.SetError(err);
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Queues run() (returning ffi::Error) on the device's progress thread.
+template <typename Run>
+ffi::Future Overlap(int32_t device, Run&& run) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
+    ffi::Error err = run();
+    if (err.failure()) {
+      promise.SetError(std::move(err));
+    } else {
+      promise.SetAvailable();
+    }
+  });
+  return future;
+}
+
+// Point-to-point calls have only two ranks in a message: no barrier over the
+// communicator before them.
+template <typename Op>
+struct ArrivalWait {
+  int operator()(const Call& c) const {
+    if constexpr (Op::kFamily == kPeer) return MPI_SUCCESS;
+    return WaitForArrivals(c);
+  }
+};
+
+struct OverlappedArray {
+  Call c{};
+  std::vector<int64_t> args, dims;
+  ffi::DataType dtype;
+};
+
+template <typename Op>
+ffi::Future CpuOverlappedEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                               ffi::Result<ffi::AnyBuffer> out, int32_t device,
+                               int64_t comm_slot, int64_t root, int64_t op, int64_t site,
+                               ffi::Span<const int64_t> args) {
+  auto call = std::make_shared<OverlappedArray>();
+  if (ffi::Error err =
+          PrepareArray<Op>(call->c, x, out, device, comm_slot, root, op, site, args);
+      err.failure()) {
+    return CompletedFuture(err);
+  }
+  call->args.assign(args.begin(), args.end());
+  call->c.args = call->args.data();
+  call->dims.assign(x.dimensions().begin(), x.dimensions().end());
+  call->dtype = x.element_type();
+  return Overlap(device, [call, device] {
+    Call& c = call->c;
+    HostMemory memory;
+    ffi::Error err = Execute<Op>(
+        c, device, memory,
+        [&] { return DescribeShape<Op>(c, call->dtype, call->dims) + kOverlappedSuffix; },
+        ArrivalWait<Op>{});
+    if (err.success()) RecordStatus<Op>(c, device);
+    return err;
+  });
+}
+
+// A fused call packs into buffers of its own (the synchronous path's are per
+// thread, and several overlapped calls may be queued at once).
+struct OverlappedFused {
+  Call c{};
+  FusedArrays arrays;
+  std::vector<char> packed_in, packed_out;
+};
+
+template <typename Op>
+ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
+                                    ffi::RemainingRets outs, int32_t device, int64_t comm_slot,
+                                    int64_t root, int64_t op, int64_t site) {
+  auto call = std::make_shared<OverlappedFused>();
+  if (ffi::Error err =
+          PrepareFused<Op>(call->c, call->arrays, xs, outs, device, comm_slot, root, op, site);
+      err.failure()) {
+    return CompletedFuture(err);
+  }
+  return Overlap(device, [call, device] {
+    return RunFused<Op>(call->c, call->arrays, call->packed_in, call->packed_out, device,
+                        kOverlappedSuffix, ArrivalWait<Op>{});
+  });
 }
 
 ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
@@ -1514,6 +1680,7 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   c.name = "barrier";
   c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
+  progress_threads[device].Drain();
   InFlightScope watched(c, device);
   if (ffi::Error err = CheckSameCall(c, device, "barrier()"); err.failure()) return err;
   if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
@@ -1553,6 +1720,10 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuData_##Type, CpuEntry<Type>,                           \
                                 MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFused_##Type, CpuFusedEntry<Type>,                     \
+                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedData_##Type, CpuOverlappedEntry<Type>,       \
+                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedFused_##Type, CpuOverlappedFusedEntry<Type>, \
                                 MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));
 MPICOLL_OPS(MPICOLL_CPU_HANDLERS)
 #undef MPICOLL_CPU_HANDLERS
@@ -1588,12 +1759,22 @@ struct Registration {
                              Platform##Fused_##Type});                                 \
   }
 #define MPICOLL_CPU_REGISTRATION(Type, text, ...) MPICOLL_REGISTRATION(Cpu, Type, text)
+// Overlapped handlers are CPU-only for now: mpicoll_<op>_overlapped[_fused].
+#define MPICOLL_CPU_OVERLAPPED_REGISTRATION(Type, text, ...)                           \
+  registrations.push_back({std::string("mpicoll_") + text + "_overlapped",            \
+                           CpuOverlappedData_##Type});                                \
+  if (Type::kFamily == kBlocks) {                                                      \
+    registrations.push_back({std::string("mpicoll_") + text + "_overlapped_fused",    \
+                             CpuOverlappedFused_##Type});                              \
+  }
 std::vector<Registration> CpuRegistrations() {
   std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
                                           {"mpicoll_status", CpuStatusHandler}};
   MPICOLL_OPS(MPICOLL_CPU_REGISTRATION)
+  MPICOLL_OPS(MPICOLL_CPU_OVERLAPPED_REGISTRATION)
   return registrations;
 }
+#undef MPICOLL_CPU_OVERLAPPED_REGISTRATION
 #undef MPICOLL_CPU_REGISTRATION
 
 #ifdef MPICOLL_CUDA

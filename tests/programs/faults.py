@@ -16,6 +16,8 @@ never mix as they can on mpiexec's merged stdout).
   check-uncaught  check mode, shape mismatch as in (a), not caught (abort on error)
   hang         rank 1 never joins; rank 0 waits in a jitted allreduce on a
                communicator named "solver" (run with MPICOLL_TIMEOUT)
+  hang-overlapped  the same, the allreduce overlapped (mpicoll.overlap()): rank 0
+               waits on its progress thread
   first-use    rank 1 never joins; rank 0 makes its first collective call on a
                new communicator "fresh", whose setup (MPI_Comm_dup) is collective
                (run with MPICOLL_TIMEOUT)
@@ -114,10 +116,15 @@ def check_uncaught():
     say(f"rank {RANK}: the mismatched allreduce returned (it must not)")
 
 
-def hang():
+def hang(overlapped=False):
     solver = WORLD.Dup()
     solver.Set_name("solver")
-    step = jax.jit(lambda x: mpicoll.allreduce(x, comm=solver))
+
+    def allreduce(x):
+        with mpicoll.overlap(overlapped):
+            return mpicoll.allreduce(x, comm=solver)
+
+    step = jax.jit(allreduce)
     step(jnp.ones(3)).block_until_ready()  # compiled and run once by both ranks
     if RANK == 1:
         event("sleep")
@@ -175,7 +182,8 @@ def sigkill():
 
 SCENARIOS = {"raise": raise_on_rank_1, "raise-in-thread": raise_in_a_thread_on_rank_1,
              "check": check, "check-uncaught": check_uncaught,
-             "hang": hang, "first-use": first_use, "sigkill": sigkill,
+             "hang": hang, "hang-overlapped": lambda: hang(overlapped=True),
+             "first-use": first_use, "sigkill": sigkill,
              "recv-never-sent": recv_never_sent}
 
 if __name__ == "__main__":
