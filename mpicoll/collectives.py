@@ -564,7 +564,7 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
         return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
-    x, params = _typed_input(x, params)
+    x, params = _typed_input(x), _typed_params(params)
     if overlap.active() if overlapped is None else overlapped:
         params["overlapped"] = True
     return PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
@@ -755,8 +755,8 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
                                       kwargs.get("root", 0), kwargs.get("op"), False)
         if overlapped:
             params["overlapped"] = True
-        typed = [_typed_input(leaves[i], params) for i in indices]
-        outs = FUSED_PRIMITIVES[spec.name].bind(*(x for x, _ in typed), **typed[0][1],
+        outs = FUSED_PRIMITIVES[spec.name].bind(*(_typed_input(leaves[i]) for i in indices),
+                                                **_typed_params(params),
                                                 ordered=ordered, alias=alias)
         for i, out in zip(indices, outs):
             results[i] = out
@@ -882,18 +882,21 @@ def _cast_per_rank(x):
     return pvary_p.bind(x, comm=world.slot, size=world.size)
 
 
-def _typed_input(x, params):
+def _typed_input(x):
     """Inside mesh(): a collective contributes a per-rank value.  An invariant x
     (the same on every rank) is cast with pvary, so its gradient collects every
-    rank's cotangent; a communicator short of every rank gets the sum
-    convention (its replicated outputs still differ between its groups)."""
-    if not _ranks_typed():
-        return x, params
-    if RANKS not in _compat.varying_axes(jax.typeof(x)):
-        x = _cast_per_rank(x)
-    if not _spans_all_ranks(params):
-        params = {**params, "transpose_sums": True}
-    return x, params
+    rank's cotangent."""
+    if _ranks_typed() and RANKS not in _compat.varying_axes(jax.typeof(x)):
+        return _cast_per_rank(x)
+    return x
+
+
+def _typed_params(params):
+    """Inside mesh(), a communicator short of every rank gets the sum convention
+    (its replicated outputs still differ between its groups)."""
+    if _ranks_typed() and not _spans_all_ranks(params):
+        return {**params, "transpose_sums": True}
+    return params
 
 
 def _typed_like(ct, aval):
