@@ -109,7 +109,10 @@ MPI_LABEL := $(MPI_FLAVOR) from $(SYSTEM_MPICC)
 else
 USE_MPICC := $(VENV_ABS)/bin/mpicc
 MPI_WHEEL := $(MPI)
-MPI4PY_INSTALL := $(PIP) install -q --force-reinstall --no-deps "mpi4py>=4.0"
+# --no-cache-dir: pip ranks a wheel it once built from source here (tag linux_x86_64,
+# against whatever MPI that build saw) above PyPI's manylinux wheel of the same version.
+MPI4PY_INSTALL := $(PIP) install -q --force-reinstall --no-deps --no-cache-dir \
+    --only-binary=mpi4py "mpi4py>=4.0"
 MPIEXEC := $(VENV_ABS)/bin/mpiexec
 MPI_FLAVOR := $(MPI)
 MPI_LABEL := $(MPI)
