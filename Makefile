@@ -216,7 +216,7 @@ test: install
 	    label="mpicoll tests [$(MPI_LABEL), $(notdir $(PYTHON)), $$n rank(s)]"; \
 	    logs='$(VENV)/test-logs'/n$$n; rm -rf "$$logs"; mkdir -p "$$logs"; \
 	    if [ "$$n" = 1 ]; then \
-	        cmd="$(VPY) -m pytest -rs $(PYTEST_ARGS) --ignore=$(MULTIHOST_TESTS) $(TESTS)"; \
+	        cmd="$(VPY) -m pytest -rs --durations=20 $(PYTEST_ARGS) --ignore=$(MULTIHOST_TESTS) $(TESTS)"; \
 	    else \
 	        extra=""; if [ "$$n" -gt "$$cores" ]; then extra="$(OVERSUBSCRIBED_ENV)"; fi; \
 	        cmd="env RANK_LOG_DIR=$$logs $$extra $(MPIEXEC) $(MPIEXEC_FLAGS) -n $$n"; \
