@@ -67,6 +67,9 @@ def parse_args():
                         help="repeats for sizes > 1 MiB (default 10)")
     parser.add_argument("--inner", type=int, default=100,
                         help="dependent allreduces per jit call for sizes <= 1 MiB (default 100)")
+    parser.add_argument("--combine-bytes", type=int, default=None,
+                        help="LOCAL_COMBINE_BYTES for 'mpicoll global' (default: mpicoll's), "
+                             "to measure the threshold")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--skip-gloo", action="store_true", help="leave out the jax+gloo phase")
     jax_gloo.add_worker_arguments(parser)  # the gloo phase's child processes (internal)
@@ -173,7 +176,7 @@ def run_mpicoll_phase(args, comm):
     mean_over_ranks = np.mean([[participant_data(r * local + k, 1) for k in range(local)]
                                for r in range(size)], axis=0)  # shape (local, 1): per device
     methods = {
-        "mpicoll global": (lambda v: mpicoll.allreduce(v, axis_name="d"), None),
+        "mpicoll global": (lambda v: mpicoll.allreduce(v, axis_name="d"), args.combine_bytes),
         # Today's composition forced at every size: lax psum over the local
         # devices, then MPI (the reference for the handler's local combine).
         "global via lax": (lambda v: mpicoll.allreduce(v, axis_name="d"), 0),
@@ -217,7 +220,8 @@ def run_mpicoll_phase(args, comm):
     info = dict(ranks=size, local_devices=local, participants=participants,
                 jax=jax.__version__, mpi=MPI.Get_library_version().splitlines()[0].strip(),
                 split_allreduce_bytes=mpicoll.global_collectives.SPLIT_ALLREDUCE_BYTES,
-                local_combine_bytes=mpicoll.global_collectives.LOCAL_COMBINE_BYTES)
+                local_combine_bytes=(mpicoll.global_collectives.LOCAL_COMBINE_BYTES
+                                     if args.combine_bytes is None else args.combine_bytes))
     return results, info
 
 

@@ -94,16 +94,23 @@ def _composed_allreduce(x, name, comm, axis_name):
 # handler (csrc/collectives.cc, CpuLocalAllreduceEntry: a meeting of the local
 # threads, one MPI allreduce by one of them), instead of XLA's collective over
 # the local devices followed by L MPI allreduces.  Measured at 2 ranks x 2
-# devices, float32 sum, jitted loop of 100, medians (make bench,
-# benchmarks/global_allreduce.py; see the README's performance section):
-#   bytes/device   combined in handler   lax psum + MPI   per-device MPI alone
-#   (filled in from the measurement below)
-# Up to LOCAL_COMBINE_BYTES per device the handler path is used; above it the
-# composition (psum, or the split above SPLIT_ALLREDUCE_BYTES) is.  CPU only
-# (the handler reads the device buffers on the host), and not inside
+# devices on 2 cores (Open MPI 4.1, float32 sum, jitted loop of 100, medians
+# of 15, slowest rank; benchmarks/global_allreduce.py --combine-bytes 2000000),
+# us per allreduce:
+#   bytes/device   combined here   lax composition   per-device MPI alone
+#   4 B                 18.6            3,010              20.4   (default run)
+#   4 KiB               22.1              688             119
+#   64 KiB               129            5,950           2,170
+#   256 KiB              217            7,520           7,310
+#   1 MiB                618            8,270          11,530
+# XLA's rendezvous, and L threads each in its own MPI call, lose most when the
+# device threads outnumber the cores; the combine wins at every size measured,
+# so the threshold is the largest size measured.  Above it the composition
+# (split MPI work over the devices) is kept for machines with cores to spare.
+# CPU only (the handler reads the device buffers on the host), and not inside
 # mpicoll.overlap() (whose calls run on progress threads; the composition
 # overlaps instead).  Read when a call is traced.
-LOCAL_COMBINE_BYTES = 64 * 1024
+LOCAL_COMBINE_BYTES = 1024 * 1024
 
 
 def _combines_in_handler(x, local):
