@@ -7,7 +7,9 @@ Each is composed of a lax collective over the local devices and an mpicoll
 per-device collective across ranks (device k of every rank talks on its own
 communicator, all devices in parallel):
 
-  allreduce  small: psum over devices, then MPI allreduce on every device.
+  allreduce  small (CPU, up to LOCAL_COMBINE_BYTES): the device threads combine
+             their data in mpicoll's handler, one MPI allreduce for all of them.
+             medium: psum over devices, then MPI allreduce on every device.
              large: psum_scatter over devices, MPI allreduce of 1/L of the data
              per device (all devices in parallel), all_gather over devices.
   allgather  MPI allgather of each device's own x, then all_gather over devices.
@@ -17,7 +19,8 @@ communicator, all devices in parallel):
              its own local index, for every rank), then MPI reduce_scatter.
 
 Autodiff and vmap follow the matching lax collective over one axis spanning all
-participants: the lax pieces bring their own rules, and the MPI pieces are told
+participants: the lax pieces bring their own rules (the small allreduce's
+derivative is the composition's), and the MPI pieces are told
 (transpose_sums) whether cotangents of replicated values are summed (pmap,
 shard_map(check_vma=False)) or taken once (shard_map with check_vma).
 """

@@ -178,6 +178,15 @@ check("shard_map grad sum", shard_grad(G, W), composed(lambda: jax.jit(jax.shard
                                   * w[0])),
     mesh=MESH, in_specs=(P("i"), P("i")), out_specs=P("i")))(G, W)), 1e-12)
 
+# Inside mpicoll.overlap() the composition runs (its MPI calls overlap on the
+# progress threads); the result is the same.
+with mpicoll.overlap():
+    overlapped = shard_mapped(lambda v: mpicoll.allreduce(v, axis_name="i"), False)
+    X = my_data(8, np.float32, 70)
+    if uses_combine(overlapped, X):
+        fail("overlap", "the local combine was used inside mpicoll.overlap()")
+    check("overlap sum", overlapped(X), reference(X, "sum"))
+
 # Successive calls never mix (the generation counter): a loop of dependent
 # calls, and two independent ones per step.
 loop = pmapped(lambda v: jax.lax.fori_loop(
