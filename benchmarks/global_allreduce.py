@@ -293,7 +293,8 @@ def main():
                          f"{entry['via_lax_over_global']:13.2f}x {gloo_ratio}")
     lines.append("global/per-device: the global op over the MPI half alone (issue 15: <= 1.3 "
                  "at 4 KiB).  via lax/global, gloo/global > 1: mpicoll global is faster.  "
-                 "all results correct: " + ("yes" if all_ok else "NO") + f".  load average before/after: "
+                 "all results correct: " + ("yes" if all_ok else "NO")
+                 + ".  load average before/after: "
                  f"{load_before[0]:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print("\n".join(lines), flush=True)
 

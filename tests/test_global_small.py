@@ -5,7 +5,8 @@ L fake CPU devices per rank: every op below and above LOCAL_COMBINE_BYTES
 against numpy on the gathered inputs, under pmap, shard_map (with and without
 check_vma) and vmap, gradients against the lax composition, the composition
 inside mpicoll.overlap(), 200 successive calls, and (2 ranks) check mode's
-mismatch error; and a device that never arrives ends the job at MPICOLL_TIMEOUT.  Launched from the serial run
+mismatch error; and a device that never arrives ends the job at
+MPICOLL_TIMEOUT.  Launched from the serial run
 only.
 """
 
