@@ -15,7 +15,8 @@
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
 #                                benchmarks/results/); then dispatch.py, check_mode.py,
 #                                thread_level.py (a 4 B allreduce at each MPI thread level)
-#                                and overlap.py (mpicoll.overlap() step times)
+#                                overlap.py (mpicoll.overlap() step times) and
+#                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB)
 #   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
 #                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
 #   make clean                   remove the venvs and every build product
@@ -315,6 +316,8 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/overlap.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/overlap.py --xla-threads 1 --skip-small
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/global_allreduce.py
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

@@ -4,12 +4,19 @@ Run (one command, 2 ranks with 2 fake CPU devices each = 4 participants):
 
     mpiexec -n 2 python benchmarks/global_allreduce.py
 
-Three ways to sum an array over all size * L participants, each inside one
-jax.jit(jax.shard_map(...)) (check_vma=False), at 4 KiB and 64 MiB per device:
+Ways to sum an array over all size * L participants, each inside one
+jax.jit(jax.shard_map(...)) (check_vma=False), from 4 B to 64 MiB per device:
 
-  mpicoll global  mpicoll.allreduce(x, axis_name='d') over the local mesh: psum
+  mpicoll global  mpicoll.allreduce(x, axis_name='d') over the local mesh: up to
+                  LOCAL_COMBINE_BYTES the device threads combine their data in
+                  mpicoll's handler and one of them calls MPI; above it, psum
                   over the local devices, then MPI across ranks (above 256 KiB
                   split: psum_scatter, MPI allreduce of 1/L per device, all_gather)
+  global via lax  the same call traced with LOCAL_COMBINE_BYTES = 0: the lax
+                  composition at every size (the threshold's reference)
+  per-device MPI  mpicoll.allreduce(x) without axis_name: each device's MPI
+                  allreduce across ranks alone, the MPI half of the global op
+                  (issue 15's target: global <= 1.3x this at 4 KiB)
   naive           lax.psum(x, 'd') then mpicoll.allreduce(...) without axis_name:
                   every device allreduces the whole array across ranks
   jax+gloo        JAX's own multi-process runtime: jax.distributed.initialize +
@@ -51,14 +58,18 @@ KIB, MIB = 1024, 1024 * 1024
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4 * KIB, 64 * MIB],
-                        help="bytes per device (float32), default 4 KiB and 64 MiB")
+    parser.add_argument("--sizes", type=int, nargs="+",
+                        default=[4, 4 * KIB, 64 * KIB, 256 * KIB, 64 * MIB],
+                        help="bytes per device (float32), default 4 B, 4, 64, 256 KiB, 64 MiB")
     parser.add_argument("--small-repeats", type=int, default=30,
                         help="repeats for sizes <= 1 MiB (default 30)")
     parser.add_argument("--large-repeats", type=int, default=10,
                         help="repeats for sizes > 1 MiB (default 10)")
     parser.add_argument("--inner", type=int, default=100,
                         help="dependent allreduces per jit call for sizes <= 1 MiB (default 100)")
+    parser.add_argument("--combine-bytes", type=int, default=None,
+                        help="LOCAL_COMBINE_BYTES for 'mpicoll global' (default: mpicoll's), "
+                             "to measure the threshold")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--skip-gloo", action="store_true", help="leave out the jax+gloo phase")
     jax_gloo.add_worker_arguments(parser)  # the gloo phase's child processes (internal)
@@ -160,23 +171,45 @@ def run_mpicoll_phase(args, comm):
     participants = size * local
     mesh = jax.make_mesh((local,), ("d",))
     sharding = NamedSharding(mesh, P("d"))
+    global_collectives = mpicoll.global_collectives
+    # name -> (step, LOCAL_COMBINE_BYTES while tracing (None: the default), scale, want)
+    mean_over_ranks = np.mean([[participant_data(r * local + k, 1) for k in range(local)]
+                               for r in range(size)], axis=0)  # shape (local, 1): per device
     methods = {
-        "mpicoll global": lambda v: mpicoll.allreduce(v, axis_name="d"),
-        "naive psum+MPI": lambda v: mpicoll.allreduce(lax.psum(v, "d")),
+        "mpicoll global": (lambda v: mpicoll.allreduce(v, axis_name="d"), args.combine_bytes),
+        # Today's composition forced at every size: lax psum over the local
+        # devices, then MPI (the reference for the handler's local combine).
+        "global via lax": (lambda v: mpicoll.allreduce(v, axis_name="d"), 0),
+        "naive psum+MPI": (lambda v: mpicoll.allreduce(lax.psum(v, "d")), None),
+        # The MPI half alone: each device allreduces its own x across ranks.
+        "per-device MPI": (lambda v: mpicoll.allreduce(v), None),
     }
     results = {}
     for nbytes, inner, repeats in plan(args):
-        count = nbytes // 4
+        count = max(1, nbytes // 4)
         data = np.concatenate([participant_data(p, count)
                                for p in range(rank * local, (rank + 1) * local)])
         x = jax.device_put(data, sharding)
-        want = expected(participants, count)
         for inner_now in sorted({inner, 1}, reverse=True):
-            for name, step in methods.items():
-                fn = jax.jit(jax.shard_map(looped(step, inner_now, participants), mesh=mesh,
+            for name, (step, combine_bytes) in methods.items():
+                per_device = name == "per-device MPI"
+                # x <- allreduce(x) / (number summed): the same value after every step.
+                summed = size if per_device else participants
+                want = (np.broadcast_to(np.float32(mean_over_ranks) +
+                                        (np.arange(count) % 7).astype(np.float32), (local, count))
+                        if per_device else np.broadcast_to(expected(participants, count),
+                                                           (local, count)))
+                fn = jax.jit(jax.shard_map(looped(step, inner_now, summed), mesh=mesh,
                                            in_specs=P("d"), out_specs=P("d"), check_vma=False))
-                out = fn(x).block_until_ready()
-                ok = all(np.array_equal(np.asarray(s.data), want) for s in out.addressable_shards)
+                default_bytes = global_collectives.LOCAL_COMBINE_BYTES
+                if combine_bytes is not None:
+                    global_collectives.LOCAL_COMBINE_BYTES = combine_bytes
+                try:
+                    out = fn(x).block_until_ready()  # traces with the setting above
+                finally:
+                    global_collectives.LOCAL_COMBINE_BYTES = default_bytes
+                got = np.asarray(out).reshape(local, count)
+                ok = bool(np.allclose(got, want, rtol=1e-6))
                 del out
                 times = timed_runs(lambda: fn(x).block_until_ready(), repeats,
                                    synchronize=comm.Barrier,
@@ -186,12 +219,16 @@ def run_mpicoll_phase(args, comm):
         del x
     info = dict(ranks=size, local_devices=local, participants=participants,
                 jax=jax.__version__, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                split_allreduce_bytes=mpicoll.global_collectives.SPLIT_ALLREDUCE_BYTES)
+                split_allreduce_bytes=mpicoll.global_collectives.SPLIT_ALLREDUCE_BYTES,
+                local_combine_bytes=(mpicoll.global_collectives.LOCAL_COMBINE_BYTES
+                                     if args.combine_bytes is None else args.combine_bytes))
     return results, info
 
 
 def human(nbytes):
-    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+    if nbytes >= MIB:
+        return f"{nbytes // MIB} MiB"
+    return f"{nbytes // KIB} KiB" if nbytes >= KIB else f"{nbytes} B"
 
 
 def fmt_time(seconds):
@@ -216,18 +253,21 @@ def main():
     rows, all_ok = [], True
     if gloo is None and not args.skip_gloo:
         all_ok = False  # the worker's output is on stderr; the table leaves gloo out
-    header = (f"{'bytes/device':>12} {'allreduces/call':>15} | {'mpicoll global':>14} "
-              f"{'naive psum+MPI':>14} {'jax+gloo':>14} | {'naive/global':>12} "
-              f"{'gloo/global':>11}")
+    names = ("mpicoll global", "global via lax", "naive psum+MPI", "per-device MPI")
+    header = (f"{'bytes/device':>12} {'per call':>8} | "
+              + " ".join(f"{n:>14}" for n in names) + f" {'jax+gloo':>11} | "
+              f"{'global/per-device':>17} {'via lax/global':>14} {'gloo/global':>11}")
     lines = [f"global allreduce (sum, float32) over {info['ranks']} ranks x "
              f"{info['local_devices']} devices = {info['participants']} participants; "
-             f"time per allreduce, median over repeats (slowest rank)", header, "-" * len(header)]
+             f"time per allreduce, median over repeats (slowest rank); the handler combines "
+             f"the local devices up to {info['local_combine_bytes']} B per device",
+             header, "-" * len(header)]
     for nbytes, inner, repeats in plan(args):
         for inner_now in sorted({inner, 1}, reverse=True):
-            entry = dict(bytes_per_device=nbytes, elements_per_device=nbytes // 4,
+            entry = dict(bytes_per_device=nbytes, elements_per_device=max(1, nbytes // 4),
                          allreduces_per_call=inner_now, repeats=repeats, methods={})
             medians = {}
-            for name in ("mpicoll global", "naive psum+MPI"):
+            for name in names:
                 r = mpicoll_results[(nbytes, inner_now, name)]
                 medians[name] = float(np.median(r["times"])) / inner_now
                 entry["methods"][name] = dict(median_s_per_allreduce=medians[name],
@@ -240,16 +280,21 @@ def main():
                                                     call_times_s=r["times"], correct=r["ok"])
                 all_ok &= r["ok"]
             g = medians["mpicoll global"]
+            entry["global_over_per_device"] = g / medians["per-device MPI"]
+            entry["via_lax_over_global"] = medians["global via lax"] / g
             entry["naive_over_global"] = medians["naive psum+MPI"] / g
             entry["gloo_over_global"] = medians["jax+gloo"] / g if gloo else None
             rows.append(entry)
             gloo_cell = fmt_time(medians["jax+gloo"]) if gloo else f"{'-':>11}"
             gloo_ratio = f"{entry['gloo_over_global']:10.2f}x" if gloo else f"{'-':>11}"
-            lines.append(f"{human(nbytes):>12} {inner_now:>15} | {fmt_time(g):>14} "
-                         f"{fmt_time(medians['naive psum+MPI']):>14} {gloo_cell:>14} | "
-                         f"{entry['naive_over_global']:11.2f}x {gloo_ratio}")
-    lines.append("ratios > 1: mpicoll global is faster.  all results correct: "
-                 + ("yes" if all_ok else "NO") + f".  load average before/after: "
+            lines.append(f"{human(nbytes):>12} {inner_now:>8} | "
+                         + " ".join(f"{fmt_time(medians[n]):>14}" for n in names)
+                         + f" {gloo_cell:>11} | {entry['global_over_per_device']:16.2f}x "
+                         f"{entry['via_lax_over_global']:13.2f}x {gloo_ratio}")
+    lines.append("global/per-device: the global op over the MPI half alone (issue 15: <= 1.3 "
+                 "at 4 KiB).  via lax/global, gloo/global > 1: mpicoll global is faster.  "
+                 "all results correct: " + ("yes" if all_ok else "NO")
+                 + ".  load average before/after: "
                  f"{load_before[0]:.2f}/{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print("\n".join(lines), flush=True)
 

@@ -29,6 +29,7 @@
 #include <chrono>
 #include <memory>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1674,6 +1675,149 @@ ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Resu
   });
 }
 
+// ---------------------------------------------------------------------------
+// Global allreduce of small arrays (global_collectives.py, LOCAL_COMBINE_BYTES):
+// the L device threads of this process that run one pmap/shard_map program
+// meet here instead of in XLA's own collectives (whose rendezvous cost as much
+// as the MPI call at 4 KiB).  Each thread posts its input and waits; once all L
+// are here, the thread of the lowest device ordinal (the same local device on
+// every rank, so every rank's leader talks on the same communicator) reduces
+// the L inputs with MPI_Reduce_local (MPI's operators, so every op and dtype the
+// per-device allreduce takes), runs ONE MPI allreduce on its own communicator
+// (Execute: check mode, timeout, serialized lock as for any call), and
+// publishes the result; every thread then copies it to its output.  A
+// generation counter separates successive calls: a thread that returns and
+// comes back for the next call cannot mix with the one still copying out,
+// because the next call cannot finish before that thread arrives too.
+// Waiting threads are watched by the timeout like an MPI wait (a device that
+// never arrives aborts the job after MPICOLL_TIMEOUT); a short spin before
+// sleeping keeps the wake-up off the futex path at these sizes.
+struct LocalMeeting {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::atomic<uint64_t> generation{0};  // calls completed
+  std::atomic<int> arrived{0};
+  int expected = 0;
+  size_t bytes = 0;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  int64_t op = -1;
+  const char* inputs[kMaxLocalDevices];
+  int32_t devices[kMaxLocalDevices];
+  std::vector<char> combined;
+  std::string mismatch;  // arrivals that disagree (never in one SPMD program)
+  std::string error;     // this generation's failure, seen by every thread
+};
+// One per communicator slot, like the table row it serves.
+LocalMeeting* const local_meetings = new LocalMeeting[kMaxComms];
+constexpr int64_t kLocalSpinNs = 50000;
+
+// Waits (spin, then sleep) until ready() holds; ready reads atomics only.
+template <typename Ready>
+void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready) {
+  if (ready()) return;
+  lock.unlock();
+  const int64_t spin_until = NowNs() + kLocalSpinNs;
+  while (!ready() && NowNs() < spin_until) std::this_thread::yield();
+  lock.lock();
+  m.changed.wait(lock, ready);
+}
+
+// The leader's part: reduce the L inputs into m.combined, then one MPI allreduce.
+ffi::Error LeadLocalAllreduce(LocalMeeting& m, const Call& mine, int32_t device, int local,
+                              ffi::Span<const int64_t> dims) {
+  if (!m.mismatch.empty()) return ffi::Error::Internal(m.mismatch);
+  Call c = mine;
+  const size_t count = c.in_count;
+  m.combined.resize(m.bytes);
+  std::memcpy(m.combined.data(), m.inputs[0], m.bytes);
+  for (int i = 1; i < local; ++i) {
+    for (size_t at = 0; at < count; at += kMaxChunk) {
+      const int n = static_cast<int>(std::min(kMaxChunk, count - at));
+      const int rc = MPI_Reduce_local(m.inputs[i] + at * c.elem_bytes,
+                                      m.combined.data() + at * c.elem_bytes, n, c.type,
+                                      c.mpi_op);
+      if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
+    }
+  }
+  c.in = c.out = m.combined.data();  // in place
+  HostMemory memory;
+  memory.advise_huge_pages = false;
+  return Execute<AllreduceOp>(c, device, memory, [&] {
+    return Describe(c, c.dtype, dims, true, false) + ", over " + std::to_string(local) +
+           " local devices";
+  });
+}
+
+ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                                  ffi::Result<ffi::AnyBuffer> out, int32_t device,
+                                  int64_t comm_slot, int64_t op, int64_t site, int64_t local) {
+  Call c{};
+  if (ffi::Error err = PrepareArray<AllreduceOp>(c, x, out, device, comm_slot, /*root=*/0, op,
+                                                 site, ffi::Span<const int64_t>());
+      err.failure()) {
+    return err;
+  }
+  if (local < 1 || local > kMaxLocalDevices) {
+    return ffi::Error::InvalidArgument("mpicoll.allreduce: local devices out of range");
+  }
+  if (local == 1) {  // nobody to meet: the per-device call
+    HostMemory memory;
+    return Execute<AllreduceOp>(c, device, memory, [&] {
+      return DescribeArray<AllreduceOp>(c, x) + ", over 1 local devices";
+    });
+  }
+  if (c.in_count == 0) return ffi::Error::Success();  // the same shape on every participant
+  progress_threads[device].Drain();  // this device's queued calls come first
+  LocalMeeting& m = local_meetings[comm_slot % kMaxComms];
+  const size_t bytes = c.in_count * c.elem_bytes;
+  std::unique_lock<std::mutex> lock(m.mutex);
+  const uint64_t generation = m.generation.load();
+  const int index = m.arrived.load();
+  if (index == 0) {
+    m.expected = static_cast<int>(local);
+    m.bytes = bytes;
+    m.dtype = c.dtype;
+    m.op = op;
+    m.mismatch.clear();
+  } else if (m.expected != local || m.bytes != bytes || m.dtype != c.dtype || m.op != op) {
+    m.mismatch = "mpicoll.allreduce: the local devices called different global allreduces "
+                 "on one communicator at once (local device " + std::to_string(device) + ")";
+  }
+  m.inputs[index] = c.in;
+  m.devices[index] = device;
+  m.arrived.store(index + 1);
+  m.changed.notify_all();
+  Call waiting = c;
+  waiting.name = "allreduce (waiting for this process's other local devices)";
+  {
+    InFlightScope watched(waiting, device);
+    AwaitLocal(m, lock, [&] {
+      return m.arrived.load() == m.expected || m.generation.load() != generation;
+    });
+  }
+  if (m.generation.load() == generation) {  // everyone is here, nobody has led yet
+    const int32_t leader = *std::min_element(m.devices, m.devices + m.expected);
+    if (device == leader) {
+      lock.unlock();
+      ffi::Error err = LeadLocalAllreduce(m, c, device, m.expected, x.dimensions());
+      lock.lock();
+      m.error = err.failure() ? std::string(err.message()) : std::string();
+      m.arrived.store(0);
+      m.generation.store(generation + 1);
+      m.changed.notify_all();
+    } else {
+      InFlightScope watched(waiting, device);
+      AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
+    }
+  }
+  // Until this thread arrives at the next call, nobody writes m.combined or m.error.
+  const std::string error = m.error;
+  lock.unlock();
+  if (!error.empty()) return ffi::Error::Internal(error);
+  std::memcpy(c.out, m.combined.data(), bytes);
+  return ffi::Error::Success();
+}
+
 ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
                         int64_t site) {
   Call c{};
@@ -1728,6 +1872,19 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
 MPICOLL_OPS(MPICOLL_CPU_HANDLERS)
 #undef MPICOLL_CPU_HANDLERS
 
+// The global allreduce of small arrays (CPU only; see CpuLocalAllreduceEntry).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalAllreduce, CpuLocalAllreduceEntry,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("local"));
+
 // The barrier has no buffers and no stream work: one handler for every platform.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                               ffi::Ffi::Bind()
@@ -1769,7 +1926,8 @@ struct Registration {
   }
 std::vector<Registration> CpuRegistrations() {
   std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
-                                          {"mpicoll_status", CpuStatusHandler}};
+                                          {"mpicoll_status", CpuStatusHandler},
+                                          {"mpicoll_allreduce_local", CpuLocalAllreduce}};
   MPICOLL_OPS(MPICOLL_CPU_REGISTRATION)
   MPICOLL_OPS(MPICOLL_CPU_OVERLAPPED_REGISTRATION)
   return registrations;
