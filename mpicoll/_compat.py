@@ -324,6 +324,7 @@ import weakref  # noqa: E402
 
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax._src.interpreters import pxla as _pxla  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 
 _IN_MODULE_LOWERING_PARAMETERS = ["closed_jaxpr", "num_devices", "platforms"]
 
@@ -436,7 +437,10 @@ class DeviceOrderDispatch:
         if (original is None or token_set is None or positions is None
                 or not hasattr(_mlir, "jaxpr_subcomp") or not hasattr(_mlir, "TokenSet")
                 or not hasattr(_pe, "convert_constvars_jaxpr")
-                or "outer_traceback" not in inspect.signature(_mlir.jaxpr_subcomp).parameters):
+                or "outer_traceback" not in inspect.signature(_mlir.jaxpr_subcomp).parameters
+                or not all(hasattr(_mesh, name) for name in (
+                    "empty_concrete_mesh", "empty_abstract_mesh", "use_abstract_mesh"))
+                or not hasattr(_sharding_impls, "_internal_use_concrete_mesh")):
             return False
         get_token_input = token_set.get_token_input
         set_token_result = token_set.set_token_result
@@ -488,7 +492,11 @@ class DeviceOrderDispatch:
         single-device executions there wait for it."""
         if self._fence is None:
             self._fence = jax.jit(lambda t: t | t)
-        return self._fence(shard)
+        # A multi-device program may be dispatched inside shard_map's mesh, which
+        # jit would check the fence's one device against.
+        with _sharding_impls._internal_use_concrete_mesh(_mesh.empty_concrete_mesh), \
+                _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
+            return self._fence(shard)
 
     @staticmethod
     def _on_cpu_devices(array):
