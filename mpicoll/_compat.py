@@ -322,6 +322,8 @@ def complete_dispatches_with(effect_type):
 import re  # noqa: E402
 import weakref  # noqa: E402
 
+import numpy as _np  # noqa: E402
+
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax._src.interpreters import pxla as _pxla  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
@@ -444,6 +446,9 @@ class DeviceOrderDispatch:
             return False
         get_token_input = token_set.get_token_input
         set_token_result = token_set.set_token_result
+        block_until_ready = getattr(token_set, "block_until_ready", None)
+        if block_until_ready is None:
+            return False
         if (list(inspect.signature(get_token_input).parameters) != ["self", "eff", "devices"]
                 or list(inspect.signature(set_token_result).parameters)
                 != ["self", "eff", "token"]):
@@ -477,12 +482,19 @@ class DeviceOrderDispatch:
             if dispatch_order.active and isinstance(eff, dispatch_order.effect_type):
                 dispatch_order.fence_after_multi_device_token(token)
 
+        def fenced_block_until_ready(self):
+            # jax.effects_barrier(): programs without runtime tokens are done too.
+            if dispatch_order.active:
+                dispatch_order.wait_for_cpu_devices()
+            block_until_ready(self)
+
         cached_lowering_to_hlo.jax_original = original
         _pxla._cached_lowering_to_hlo = cached_lowering_to_hlo
         # get_token_input is looked up on the class at each call: later patches
         # (install_runtime_token_fast_path) wrap this one and keep it.
         token_set.get_token_input = fenced_get_token_input
         token_set.set_token_result = fenced_set_token_result
+        token_set.block_until_ready = fenced_block_until_ready
         self.installed = True
         return True
 
@@ -525,6 +537,16 @@ class DeviceOrderDispatch:
             return
         for shard in array.addressable_shards:
             self._fence_on(shard.data)
+
+    def wait_for_cpu_devices(self):
+        """Wait until every program enqueued so far on this process's CPU devices has run."""
+        try:
+            devices = jax.local_devices(backend="cpu")
+        except RuntimeError:  # no CPU backend
+            return
+        for fence in [self._fence_on(jax.device_put(_np.zeros(0, bool), device))
+                      for device in devices]:
+            fence.block_until_ready()
 
     def lowers_in_module(self, closed_jaxpr, num_devices=1, platforms=("cpu",)):
         """For tests: whether a program would be lowered with its token inside."""

@@ -602,7 +602,10 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
     if _compat.at_top_level():
         program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
                            transpose_sums, static)
-        jax.effects_barrier()  # pending jitted collectives first: they come earlier in order
+        if not _device_order.active:
+            # Pending jitted collectives first: they come earlier in order.  In
+            # device-order mode the device's queue already runs them first.
+            jax.effects_barrier()
         return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
