@@ -41,8 +41,9 @@ class MPIEffect(_compat.Effect):
 
 mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
-# A jitted function with a collective dispatches on JAX's Python path, which
-# threads the effect's runtime token from program to program; see _compat.
+# In "tokens" dispatch mode (below) a jitted function with a collective
+# dispatches on JAX's Python path, which threads the effect's runtime token
+# from program to program; see _compat.
 RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
 # Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
 # its dispatch returns, so none is in flight while Python (and mpi4py) runs.
