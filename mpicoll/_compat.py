@@ -466,8 +466,12 @@ class DeviceOrderDispatch:
                         and isinstance(args[platforms_at], tuple)
                         and dispatch_order._applies(closed_jaxpr, args[devices_at],
                                                     args[platforms_at])):
+                    try:
+                        wrapped = dispatch_order.in_module_form(closed_jaxpr)
+                    except (TypeError, AttributeError):  # JAX's jaxpr classes changed:
+                        wrapped = closed_jaxpr            # this program keeps its tokens
                     args = list(args)
-                    args[jaxpr_at] = dispatch_order.in_module_form(closed_jaxpr)
+                    args[jaxpr_at] = wrapped
             return original(*args, **kwargs)
 
         def fenced_get_token_input(self, eff, devices):
