@@ -7,11 +7,15 @@ slowest rank's time, every row in one run with the rows interleaved run by run
 so that load drift hits all alike:
 
   step, 1 array       jax.jit(lambda x: x + 1) on a float32[1]        (reference)
-  + allreduce         jax.jit(lambda x: allreduce(x) + 1)
-  same, JAX's tokens  the same program with JAX's own runtime-token method
+  + allreduce         jax.jit(lambda x: allreduce(x) + 1), compiled in the
+                      default "device-order" dispatch mode (no runtime token)
+  + allreduce, tokens the same program compiled with mpicoll.set_dispatch("tokens")
+                      (JAX's runtime tokens, mpicoll's token fast path)
+  + allreduce, JAX's  tokens mode with JAX's own runtime-token method
                       (mpicoll skips a resharding of the token; see _compat)
   step, 100 arrays    jax.jit over a list of 100 float32[1]: each + 1  (reference)
-  + allreduce         the list allreduced (one fused call) then + 1
+  + allreduce         the list allreduced (one fused call) then + 1, device order
+  + allreduce, tokens the same in tokens mode
   eager allreduce     mpicoll.allreduce(x) on a float32[1] jax array, then mpi4py's
                       comm.Allreduce on numpy float32[1] buffers       (reference)
 
@@ -64,9 +68,21 @@ def main():
         return run
 
     step = jax.jit(lambda x: x + 1)
-    step_allreduce = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
     tree_step = jax.jit(lambda xs: [x + 1 for x in xs])
-    tree_allreduce = jax.jit(lambda xs: [x + 1 for x in mpicoll.allreduce(xs)])
+
+    def compiled_in(mode):
+        """The two programs with a collective, lowered in dispatch mode `mode`."""
+        previous = mpicoll.set_dispatch(mode)
+        try:
+            one_step = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
+            tree = jax.jit(lambda xs: [x + 1 for x in mpicoll.allreduce(xs)])
+            one_step(one), tree(many)  # lowered now, in this mode
+        finally:
+            mpicoll.set_dispatch(previous)
+        return one_step, tree
+
+    step_allreduce, tree_allreduce = compiled_in("device-order")
+    step_tokens, tree_tokens = compiled_in("tokens")
     send, receive = np.ones(1, np.float32), np.empty(1, np.float32)
 
     def mpi4py_allreduce(_):
@@ -76,18 +92,24 @@ def main():
     rows = {
         "step, 1 array": (lambda a: python_loop(step, one, a), None),
         "  + allreduce": (lambda a: python_loop(step_allreduce, one, a), "step, 1 array"),
+        "  + allreduce, tokens": (lambda a: python_loop(step_tokens, one, a),
+                                  "step, 1 array"),
         "  + allreduce, JAX's tokens": (
-            lambda a: with_jax_tokens(lambda c: python_loop(step_allreduce, one, c))(a),
+            lambda a: with_jax_tokens(lambda c: python_loop(step_tokens, one, c))(a),
             "step, 1 array"),
         "step, 100 arrays": (lambda a: python_loop(tree_step, many, a), None),
         "  + allreduce (fused)": (lambda a: python_loop(tree_allreduce, many, a),
                                   "step, 100 arrays"),
+        "  + allreduce (fused), tokens": (lambda a: python_loop(tree_tokens, many, a),
+                                          "step, 100 arrays"),
         "mpi4py Allreduce 4 B": (lambda a: python_loop(mpi4py_allreduce, None, a), None),
         "eager allreduce 4 B": (lambda a: python_loop(mpicoll.allreduce, one, a),
                                 "mpi4py Allreduce 4 B"),
     }
     checks = {"  + allreduce": (step_allreduce(one), size + 1.0),
+              "  + allreduce, tokens": (step_tokens(one), size + 1.0),
               "  + allreduce (fused)": (tree_allreduce(many)[-1], size + 1.0),
+              "  + allreduce (fused), tokens": (tree_tokens(many)[-1], size + 1.0),
               "eager allreduce 4 B": (mpicoll.allreduce(one), float(size))}
     for name, (value, expected) in checks.items():
         assert float(np.asarray(value)[0]) == expected, (name, value, expected)
@@ -107,10 +129,10 @@ def main():
         medians = {name: statistics.median(t) for name, t in times.items()}
         print(f"dispatch from a Python loop, {size} rank(s), median of {args.runs} runs x "
               f"{args.calls} calls, jax {jax.__version__}, {MPI.Get_library_version().splitlines()[0][:40]}")
-        print(f"{'':30} {'us/call':>9} {'x reference':>12}")
+        print(f"{'':32} {'us/call':>9} {'x reference':>12}")
         for name, (_, reference) in rows.items():
             ratio = f"{medians[name] / medians[reference]:>12.1f}" if reference else ""
-            print(f"{name:30} {medians[name] * 1e6:>9.1f} {ratio}")
+            print(f"{name:32} {medians[name] * 1e6:>9.1f} {ratio}")
 
 
 if __name__ == "__main__":

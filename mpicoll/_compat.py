@@ -316,3 +316,242 @@ def complete_dispatches_with(effect_type):
     token_set.set_token_result = set_token_result
     return True
 
+
+
+# --- dispatch of one-device CPU programs without runtime tokens ---------------
+import re  # noqa: E402
+import weakref  # noqa: E402
+
+import numpy as _np  # noqa: E402
+
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.interpreters import pxla as _pxla  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+
+_IN_MODULE_LOWERING_PARAMETERS = ["closed_jaxpr", "num_devices", "platforms"]
+
+
+def _lowering_argument_positions():
+    """Where pxla._cached_lowering_to_hlo takes closed_jaxpr, num_devices and platforms,
+    read from pxla's source (the function is a C++ cache with no signature); None
+    where any is missing or passed otherwise than by position."""
+    try:
+        source = inspect.getsource(_pxla)
+    except (OSError, TypeError):
+        return None
+    match = re.search(r"^def _cached_lowering_to_hlo\((.*?)\):", source, re.M | re.S)
+    if match is None:
+        return None
+    names = [re.split(r"[:=]", part)[0].strip()
+             for part in re.sub(r"\[[^\]]*\]", "", match.group(1)).split(",")]
+    positions = {name: names.index(name) for name in _IN_MODULE_LOWERING_PARAMETERS
+                 if name in names}
+    call = re.search(r"= _cached_lowering_to_hlo\((.*?)\)\n", source, re.S)
+    if len(positions) < len(_IN_MODULE_LOWERING_PARAMETERS) or call is None:
+        return None
+    # pxla's call must pass these three by position (the hook reads them so).
+    if any(f"{name}=" in call.group(1) for name in _IN_MODULE_LOWERING_PARAMETERS):
+        return None
+    return positions
+
+
+class DeviceOrderDispatch:
+    """Programs on one CPU device order their MPI calls by the device's queue, not by
+    JAX's runtime tokens, so that JAX dispatches them on its C++ fast path.
+
+    Why it is safe: XLA's CPU client runs the single-device executions of one device
+    in the order they were enqueued (each waits for the device's last enqueued
+    execution), and every program's custom calls run in program order (JAX still
+    threads the effect's token through the program; the token now starts inside
+    the module instead of coming from the previous program).  Programs on several
+    devices (pmap, shard_map) keep runtime tokens; they only wait for earlier
+    multi-device programs, so a fence orders them against single-device ones in
+    both directions (fence_multi_device_token, fence_after_multi_device_token).
+
+    `active` is read when a program is lowered (a compiled program keeps the way
+    it was lowered) and when a multi-device program is dispatched.
+    """
+
+    def __init__(self, effect_type):
+        self.effect_type = effect_type
+        self.active = False
+        self.installed = False
+        self._wrapped = weakref.WeakKeyDictionary()  # closed jaxpr -> its in-module form
+        self._in_module_call = None
+        self._fence = None
+
+    # The token of effect_type created inside the module: an equation wrapping the
+    # whole program, whose own effects leave effect_type out.
+    def _make_in_module_call(self):
+        primitive = _core.Primitive("mpicoll_in_module_token")
+        primitive.multiple_results = True
+        effect_type = self.effect_type
+
+        def abstract_eval(*avals, jaxpr):
+            effects = {e for e in jaxpr.effects if not isinstance(e, effect_type)}
+            return jaxpr.out_avals, effects
+
+        def lowering(ctx, *args, jaxpr):
+            own = [e for e in _effects.ordered_effects.filter_in(jaxpr.effects)
+                   if isinstance(e, effect_type)]
+            outer = dict(ctx.tokens_in.items())
+            tokens = _mlir.TokenSet({**outer, **{e: _mlir.create_token() for e in own}})
+            outs, tokens_out = _mlir.jaxpr_subcomp(
+                ctx.module_context, jaxpr.jaxpr, ctx.name_stack, tokens, (), *args,
+                dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
+                outer_traceback=None)
+            # The last custom call has a side effect: XLA keeps it without its token.
+            ctx.set_tokens_out(_mlir.TokenSet({e: tokens_out.get(e) for e in outer}))
+            return outs
+
+        primitive.def_effectful_abstract_eval(abstract_eval)
+        _mlir.register_lowering(primitive, lowering)
+        return primitive
+
+    def in_module_form(self, closed_jaxpr):
+        """closed_jaxpr as one equation whose effect_type token starts inside it."""
+        wrapped = self._wrapped.get(closed_jaxpr)
+        if wrapped is None:
+            jaxpr = closed_jaxpr.jaxpr
+            inner = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
+            outvars = [_core.Var(aval) for aval in closed_jaxpr.out_avals]
+            effects = {e for e in jaxpr.effects if not isinstance(e, self.effect_type)}
+            equation = _core.new_jaxpr_eqn([*jaxpr.constvars, *jaxpr.invars], outvars,
+                                           self._in_module_call, dict(jaxpr=inner), effects)
+            outer = _core.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, [equation], effects,
+                                jaxpr.debug_info)
+            wrapped = _core.ClosedJaxpr(outer, closed_jaxpr.consts)
+            self._wrapped[closed_jaxpr] = wrapped
+        return wrapped
+
+    def _applies(self, closed_jaxpr, num_devices, platforms):
+        return (self.active and num_devices == 1 and tuple(platforms) == ("cpu",)
+                and any(isinstance(e, self.effect_type) for e in closed_jaxpr.effects))
+
+    def install(self):
+        """Hook JAX's lowering and runtime tokens; False (nothing changed) where JAX's
+        internals are not as expected."""
+        if self.installed:
+            return True
+        original = getattr(_pxla, "_cached_lowering_to_hlo", None)
+        token_set = getattr(_dispatch, "RuntimeTokenSet", None)
+        positions = _lowering_argument_positions()
+        if (original is None or token_set is None or positions is None
+                or not hasattr(_mlir, "jaxpr_subcomp") or not hasattr(_mlir, "TokenSet")
+                or not hasattr(_pe, "convert_constvars_jaxpr")
+                or "outer_traceback" not in inspect.signature(_mlir.jaxpr_subcomp).parameters
+                or not all(hasattr(_mesh, name) for name in (
+                    "empty_concrete_mesh", "empty_abstract_mesh", "use_abstract_mesh"))
+                or not hasattr(_sharding_impls, "_internal_use_concrete_mesh")):
+            return False
+        get_token_input = token_set.get_token_input
+        set_token_result = token_set.set_token_result
+        block_until_ready = getattr(token_set, "block_until_ready", None)
+        if block_until_ready is None:
+            return False
+        if (list(inspect.signature(get_token_input).parameters) != ["self", "eff", "devices"]
+                or list(inspect.signature(set_token_result).parameters)
+                != ["self", "eff", "token"]):
+            return False
+        self._in_module_call = self._make_in_module_call()
+        dispatch_order = self
+        jaxpr_at, devices_at, platforms_at = (positions[name]
+                                              for name in _IN_MODULE_LOWERING_PARAMETERS)
+
+        def cached_lowering_to_hlo(*args, **kwargs):
+            if len(args) > max(jaxpr_at, devices_at, platforms_at):
+                closed_jaxpr = args[jaxpr_at]
+                if (isinstance(closed_jaxpr, _core.ClosedJaxpr)
+                        and type(args[devices_at]) is int
+                        and isinstance(args[platforms_at], tuple)
+                        and dispatch_order._applies(closed_jaxpr, args[devices_at],
+                                                    args[platforms_at])):
+                    try:
+                        wrapped = dispatch_order.in_module_form(closed_jaxpr)
+                    except (TypeError, AttributeError):  # JAX's jaxpr classes changed:
+                        wrapped = closed_jaxpr            # this program keeps its tokens
+                    args = list(args)
+                    args[jaxpr_at] = wrapped
+            return original(*args, **kwargs)
+
+        def fenced_get_token_input(self, eff, devices):
+            token = get_token_input(self, eff, devices)
+            if dispatch_order.active and len(devices) > 1 and isinstance(
+                    eff, dispatch_order.effect_type):
+                token = dispatch_order.fence_multi_device_token(token)
+            return token
+
+        def fenced_set_token_result(self, eff, token):
+            set_token_result(self, eff, token)
+            if dispatch_order.active and isinstance(eff, dispatch_order.effect_type):
+                dispatch_order.fence_after_multi_device_token(token)
+
+        def fenced_block_until_ready(self):
+            # jax.effects_barrier(): programs without runtime tokens are done too.
+            if dispatch_order.active:
+                dispatch_order.wait_for_cpu_devices()
+            block_until_ready(self)
+
+        cached_lowering_to_hlo.jax_original = original
+        _pxla._cached_lowering_to_hlo = cached_lowering_to_hlo
+        # get_token_input is looked up on the class at each call: later patches
+        # (install_runtime_token_fast_path) wrap this one and keep it.
+        token_set.get_token_input = fenced_get_token_input
+        token_set.set_token_result = fenced_set_token_result
+        token_set.block_until_ready = fenced_block_until_ready
+        self.installed = True
+        return True
+
+    def _fence_on(self, shard):
+        """A single-device execution on shard's device that reads shard: it runs after
+        the device's earlier executions and after shard is ready, and later
+        single-device executions there wait for it."""
+        if self._fence is None:
+            self._fence = jax.jit(lambda t: t | t)
+        # A multi-device program may be dispatched inside shard_map's mesh, which
+        # jit would check the fence's one device against.
+        with _sharding_impls._internal_use_concrete_mesh(_mesh.empty_concrete_mesh), \
+                _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
+            return self._fence(shard)
+
+    @staticmethod
+    def _on_cpu_devices(array):
+        """A token over several CPU devices (GPU programs keep JAX's tokens alone)."""
+        devices = array.sharding.device_set
+        return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+    def _refit(self, token, shards):
+        array = token._buf
+        return _core.Token(jax.make_array_from_single_device_arrays(
+            array.shape, array.sharding, shards))
+
+    def fence_multi_device_token(self, token):
+        """The token input of a multi-device program, ready only once every single-device
+        program enqueued before it on its devices has run."""
+        array = token._buf
+        if not self._on_cpu_devices(array):
+            return token
+        return self._refit(token, [self._fence_on(s.data) for s in array.addressable_shards])
+
+    def fence_after_multi_device_token(self, token):
+        """After a multi-device program: on each of its devices, an execution that waits
+        for its token, so that later single-device programs wait for it too."""
+        array = getattr(token, "_buf", None)
+        if array is None or not self._on_cpu_devices(array):
+            return
+        for shard in array.addressable_shards:
+            self._fence_on(shard.data)
+
+    def wait_for_cpu_devices(self):
+        """Wait until every program enqueued so far on this process's CPU devices has run."""
+        try:
+            devices = jax.local_devices(backend="cpu")
+        except RuntimeError:  # no CPU backend
+            return
+        for fence in [self._fence_on(jax.device_put(_np.zeros(0, bool), device))
+                      for device in devices]:
+            fence.block_until_ready()
+
+    def lowers_in_module(self, closed_jaxpr, num_devices=1, platforms=("cpu",)):
+        """For tests: whether a program would be lowered with its token inside."""
+        return self._applies(closed_jaxpr, num_devices, platforms)

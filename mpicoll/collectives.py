@@ -41,8 +41,9 @@ class MPIEffect(_compat.Effect):
 
 mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
-# A jitted function with a collective dispatches on JAX's Python path, which
-# threads the effect's runtime token from program to program; see _compat.
+# In "tokens" dispatch mode (below) a jitted function with a collective
+# dispatches on JAX's Python path, which threads the effect's runtime token
+# from program to program; see _compat.
 RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
 # Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
 # its dispatch returns, so none is in flight while Python (and mpi4py) runs.
@@ -51,6 +52,48 @@ if _native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
     raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
                       f"program, which this JAX ({jax.__version__}) does not let it do; use "
                       "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
+
+# How a jitted program's MPI calls are ordered after the previous program's
+# (README, "Dispatch"): "device-order" lowers a program on one CPU device with
+# its ordering token created inside it, so that JAX dispatches it on its C++
+# fast path and XLA's per-device queue keeps program order; "tokens" threads
+# JAX's runtime tokens from program to program (JAX's Python dispatch path).
+# The serialized mode needs each dispatch to wait for its program, which only
+# the runtime tokens let mpicoll do, so it keeps "tokens".  Where JAX's
+# internals are not as expected the hooks are not installed and "tokens" is
+# the only mode (dispatch_mode() says so).
+DISPATCH_MODES = ("device-order", "tokens")
+_device_order = _compat.DeviceOrderDispatch(MPIEffect)
+DEVICE_ORDER_AVAILABLE = not _native.SERIALIZED and _device_order.install()
+
+
+def set_dispatch(mode):
+    """How programs traced after this call are ordered across dispatches; returns the previous mode.
+
+    "device-order" (the default): programs on one CPU device carry no runtime
+    token and are ordered by the device's execution queue.  "tokens": JAX's
+    runtime tokens, as every program on GPU and the serialized mode use.  A
+    compiled program keeps the mode it was lowered with.
+    """
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"mpicoll.set_dispatch: mode must be one of {DISPATCH_MODES}, "
+                         f"got {mode!r}")
+    if mode == "device-order" and not DEVICE_ORDER_AVAILABLE:
+        raise ValueError(
+            "mpicoll.set_dispatch: 'device-order' is not available "
+            + ("at MPI_THREAD_SERIALIZED, where each dispatch waits for its program"
+               if _native.SERIALIZED else
+               f"with this JAX ({jax.__version__}), whose internals mpicoll does not "
+               "recognize; programs keep JAX's runtime tokens"))
+    previous = dispatch_mode()
+    _device_order.active = mode == "device-order"
+    return previous
+
+
+def dispatch_mode():
+    """The current dispatch mode: "device-order" or "tokens"."""
+    return "device-order" if _device_order.active else "tokens"
+
 
 # Every lowered call gets its own site number, an attribute of its custom call:
 # by default the handler compares a site's call across ranks the first time it
@@ -560,7 +603,10 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
     if _compat.at_top_level():
         program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
                            transpose_sums, static)
-        jax.effects_barrier()  # pending jitted collectives first: they come earlier in order
+        if not _device_order.active:
+            # Pending jitted collectives first: they come earlier in order.  In
+            # device-order mode the device's queue already runs them first.
+            jax.effects_barrier()
         return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)

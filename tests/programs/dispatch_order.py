@@ -1,0 +1,96 @@
+"""Device-order dispatch across kinds of programs, run as `mpiexec -n R python dispatch_order.py`.
+
+Each rank has 2 fake CPU devices.  In a Python loop, without waiting, it
+dispatches single-device programs on device 0 (several communicators, no data
+dependence between their collectives), pmap and shard_map programs over both
+devices (per-device collectives, runtime tokens) and eager calls, with
+rank-dependent local work so that the ranks' programs do not finish in step.
+If a multi-device program overtook a pending single-device one on device 0 (or
+the reverse), device 0's calls would pair up differently on different ranks:
+wrong data or a hang (the watchdog and the launcher's timeout end it).  Every
+result is checked against numpy.  Prints "ALL OK" when every check passes.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpicoll  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+DEVICES = jax.local_devices()[:2]
+MESH = Mesh(np.array(DEVICES), ("i",))
+COMMS = [WORLD.Dup() for _ in range(3)]
+STEPS = 15
+mode = sys.argv[1] if len(sys.argv) > 1 else "device-order"
+mpicoll.set_dispatch(mode)
+failures = []
+
+
+def busy(x, step):
+    """Local work on some ranks only (never changes x): the ranks drift apart."""
+    if (step + RANK) % 2:
+        return x
+    big = jnp.sin(jnp.arange(2_000_000.0) * (step + 1))  # milliseconds
+    return x + (jnp.sum(big * big) > 1e30).astype(x.dtype)
+
+
+def single_device(x, step):
+    a = mpicoll.allreduce(busy(x, step), comm=COMMS[0])
+    b = mpicoll.bcast(x * 2, step % SIZE, comm=COMMS[1])
+    c = mpicoll.allgather(x + 1, comm=COMMS[2])
+    return a, b, c
+
+
+single = {step: jax.jit(lambda x, s=step: single_device(x, s)) for step in range(2)}
+# Device 0 of every multi-device program talks on COMMS[0] too: overtaking a
+# pending single-device program would pair up the wrong calls.
+pmapped = jax.pmap(lambda v: mpicoll.allreduce(v * 3, comm=COMMS[0]), axis_name="i",
+                   devices=DEVICES)
+sharded = jax.jit(jax.shard_map(lambda v: mpicoll.allgather(v, comm=COMMS[0])[None, :, 0],
+                                mesh=MESH,
+                                in_specs=P("i"), out_specs=P("i")))
+
+base = np.arange(4.0)
+others = [base + r for r in range(SIZE)]
+results = []
+for step in range(STEPS):
+    x = jax.device_put(base + RANK + step, DEVICES[0])
+    results.append(("single", step, single[step % 2](x)))
+    pair = np.stack([base + RANK + step, base + RANK + step + 10])
+    results.append(("pmap", step, pmapped(pair)))
+    if step % 5 == 4:  # eager calls wait for their result: not every step
+        results.append(("eager", step, mpicoll.allreduce(x, comm=COMMS[0])))
+    results.append(("shard_map", step, sharded(pair)))
+
+for kind, step, out in results:
+    stack = np.stack([o + step for o in others])
+    try:
+        if kind == "single":
+            a, b, c = (np.asarray(v) for v in out)
+            np.testing.assert_array_equal(a, stack.sum(0))
+            np.testing.assert_array_equal(b, stack[step % SIZE] * 2)
+            np.testing.assert_array_equal(c, stack + 1)
+        elif kind == "pmap":
+            np.testing.assert_array_equal(np.asarray(out),
+                                          np.stack([stack.sum(0), (stack + 10).sum(0)]) * 3)
+        elif kind == "eager":
+            np.testing.assert_array_equal(np.asarray(out), stack.sum(0))
+        else:
+            np.testing.assert_array_equal(np.asarray(out), np.stack([stack, stack + 10]))
+    except AssertionError as error:
+        failures.append(f"{kind} step {step}: {error}")
+
+if failures:
+    print("\n".join(failures))
+    sys.exit(1)
+print(f"ALL OK ({SIZE} ranks, {mode})")
