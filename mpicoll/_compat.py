@@ -355,6 +355,18 @@ def _lowering_argument_positions():
     return positions
 
 
+# A jaxpr with its constants: core.ClosedJaxpr up to jax 0.11; from jax 0.12 a
+# core.Jaxpr carries its constants itself (ClosedJaxpr is gone).
+_CLOSED_JAXPR_TYPE = getattr(_core, "ClosedJaxpr", _core.Jaxpr)
+
+
+def _closed_jaxpr(jaxpr, consts):
+    """jaxpr (constants as constvars) closed over consts, in this JAX's form."""
+    if _CLOSED_JAXPR_TYPE is not _core.Jaxpr:
+        return _CLOSED_JAXPR_TYPE(jaxpr, consts)
+    return _core.Jaxpr(jaxpr, consts=list(consts))
+
+
 class DeviceOrderDispatch:
     """Programs on one CPU device order their MPI calls by the device's queue, not by
     JAX's runtime tokens, so that JAX dispatches them on its C++ fast path.
@@ -413,14 +425,14 @@ class DeviceOrderDispatch:
         wrapped = self._wrapped.get(closed_jaxpr)
         if wrapped is None:
             jaxpr = closed_jaxpr.jaxpr
-            inner = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
+            inner = _closed_jaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
             outvars = [_core.Var(aval) for aval in closed_jaxpr.out_avals]
             effects = {e for e in jaxpr.effects if not isinstance(e, self.effect_type)}
             equation = _core.new_jaxpr_eqn([*jaxpr.constvars, *jaxpr.invars], outvars,
                                            self._in_module_call, dict(jaxpr=inner), effects)
             outer = _core.Jaxpr(jaxpr.constvars, jaxpr.invars, outvars, [equation], effects,
                                 jaxpr.debug_info)
-            wrapped = _core.ClosedJaxpr(outer, closed_jaxpr.consts)
+            wrapped = _closed_jaxpr(outer, closed_jaxpr.consts)
             self._wrapped[closed_jaxpr] = wrapped
         return wrapped
 
@@ -461,7 +473,7 @@ class DeviceOrderDispatch:
         def cached_lowering_to_hlo(*args, **kwargs):
             if len(args) > max(jaxpr_at, devices_at, platforms_at):
                 closed_jaxpr = args[jaxpr_at]
-                if (isinstance(closed_jaxpr, _core.ClosedJaxpr)
+                if (isinstance(closed_jaxpr, _CLOSED_JAXPR_TYPE)
                         and type(args[devices_at]) is int
                         and isinstance(args[platforms_at], tuple)
                         and dispatch_order._applies(closed_jaxpr, args[devices_at],
@@ -509,9 +521,12 @@ class DeviceOrderDispatch:
         if self._fence is None:
             self._fence = jax.jit(lambda t: t | t)
         # A multi-device program may be dispatched inside shard_map's mesh, which
-        # jit would check the fence's one device against.
+        # jit would check the fence's one device against; and effects_barrier()
+        # may be called while a function is traced (a rejected call compares
+        # notes first), where the fence must still run, not be traced.
         with _sharding_impls._internal_use_concrete_mesh(_mesh.empty_concrete_mesh), \
-                _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
+                _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh), \
+                jax.ensure_compile_time_eval():
             return self._fence(shard)
 
     @staticmethod
@@ -548,8 +563,10 @@ class DeviceOrderDispatch:
             devices = jax.local_devices(backend="cpu")
         except RuntimeError:  # no CPU backend
             return
-        for fence in [self._fence_on(jax.device_put(_np.zeros(0, bool), device))
-                      for device in devices]:
+        with jax.ensure_compile_time_eval():  # also when called while tracing
+            fences = [self._fence_on(jax.device_put(_np.zeros(0, bool), device))
+                      for device in devices]
+        for fence in fences:
             fence.block_until_ready()
 
     def lowers_in_module(self, closed_jaxpr, num_devices=1, platforms=("cpu",)):

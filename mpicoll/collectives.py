@@ -588,6 +588,17 @@ def _validated_params(spec, x, comm, root, op, transpose_sums, static=()):
     return x, params
 
 
+def _after_pending_programs():
+    """Before an eager call: the jitted collectives still pending come earlier in order.
+
+    In device-order mode the eager program joins the same device queue behind
+    them (and behind the fence of any multi-device program), so nothing needs to
+    wait; with runtime tokens, wait for them (effects_barrier).
+    """
+    if not _device_order.active:
+        jax.effects_barrier()
+
+
 def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
           static=(), overlapped=None):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
@@ -603,10 +614,7 @@ def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True,
     if _compat.at_top_level():
         program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
                            transpose_sums, static)
-        if not _device_order.active:
-            # Pending jitted collectives first: they come earlier in order.  In
-            # device-order mode the device's queue already runs them first.
-            jax.effects_barrier()
+        _after_pending_programs()
         return program(x).block_until_ready()
     x, params = agree(comm, spec.name, _validated_params, spec, x, comm, root, op,
                       transpose_sums, static)
@@ -672,8 +680,8 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     The caller runs it synchronously: completing the call before returning
     keeps MPI order across eager calls without JAX's ordered-effect tokens, so
     JAX's C++ dispatch fast path applies (microseconds instead of the Python
-    path).  Jitted work that is still pending finishes first (effects_barrier),
-    so it cannot be overtaken.
+    path).  Jitted work that is still pending runs first
+    (_after_pending_programs), so it cannot be overtaken.
     """
     x = _as_array(x, spec.name)  # numpy arrays and scalars run the same cached program
     slot = None if comm is None else comm_layer.resolve(comm, spec.name).slot
@@ -734,7 +742,7 @@ def _collective(spec, x, **kwargs):
     # next keeps the order.  Eager inputs are the caller's arrays: no aliasing.
     program = _fused_program(spec, ordered=False, alias=False, overlapped=False, **kwargs)
     results = [None] * len(leaves)
-    jax.effects_barrier()
+    _after_pending_programs()
     for indices in _messages(leaves):
         outs = jax.block_until_ready(program(tuple(leaves[i] for i in indices)))
         for i, out in zip(indices, outs):
