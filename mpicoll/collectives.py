@@ -591,12 +591,18 @@ def _validated_params(spec, x, comm, root, op, transpose_sums, static=()):
 def _after_pending_programs():
     """Before an eager call: the jitted collectives still pending come earlier in order.
 
-    In device-order mode the eager program joins the same device queue behind
-    them (and behind the fence of any multi-device program), so nothing needs to
-    wait; with runtime tokens, wait for them (effects_barrier).
+    In device-order mode on a CPU-only process the eager program joins the same
+    device queue behind them (and behind the fence of any multi-device
+    program), so nothing needs to wait; GPU programs and the tokens mode order
+    by runtime tokens, so wait for them (effects_barrier).
     """
-    if not _device_order.active:
+    if not (_device_order.active and _cpu_only_process()):
         jax.effects_barrier()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_only_process():
+    return jax.default_backend() == "cpu"  # no accelerator: every array is on a CPU device
 
 
 def _bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
