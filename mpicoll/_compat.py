@@ -234,7 +234,10 @@ def refuse_lax_collectives_over(axis, message):
 
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
-    return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+    legacy = getattr(_parallel, "all_gather_invariant", None)  # up to jax 0.11
+    if legacy is not None:
+        return legacy(x, axis_name, axis=axis, tiled=tiled)
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 
 from jax._src import mesh as _mesh  # noqa: E402
