@@ -25,6 +25,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
+from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL)  # this rank's participants
@@ -240,12 +241,4 @@ expected = np.stack([groups[:, k].sum(0) for k in range(LOCAL)])
 for attempt in range(50):
     check(f"repetition {attempt}", repeat(X[MINE] * 1.0), expected)
 
-all_failures = MPI.COMM_WORLD.allgather(failures)
-if RANK == 0:
-    for rank, rank_failures in enumerate(all_failures):
-        for failure in rank_failures:
-            print(f"rank {rank}: FAIL {failure}", flush=True)
-    total = sum(map(len, all_failures))
-    print("ALL OK" if total == 0 else f"{total} FAILURES", f"({SIZE} ranks x {LOCAL} devices)",
-          flush=True)
-sys.exit(1 if any(all_failures) else 0)
+report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")

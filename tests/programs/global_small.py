@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
+from report import report_and_exit  # noqa: E402
 from mpicoll import global_collectives  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -210,12 +211,4 @@ if SIZE > 1:
             fail("check mode", f"unexpected error: {error}")
     mpicoll.clear_error()
 
-all_failures = COMM.allgather(failures)
-if RANK == 0:
-    for rank, rank_failures in enumerate(all_failures):
-        for failure in rank_failures:
-            print(f"rank {rank}: FAIL {failure}", flush=True)
-    total = sum(map(len, all_failures))
-    print("ALL OK" if total == 0 else f"{total} FAILURES", f"({SIZE} ranks x {LOCAL} devices)",
-          flush=True)
-sys.exit(1 if any(all_failures) else 0)
+report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")
