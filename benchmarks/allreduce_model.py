@@ -2,23 +2,30 @@
 
     python benchmarks/allreduce_model.py      (after benchmarks/multihost_allreduce.sh)
 
-Reads benchmarks/results/multihost-{flat,devices}-{H}h.json and fits, by least
+Reads benchmarks/results/multihost-{flat,devices}-{H}h[-{L}d].json and fits, by least
 squares on time = alpha + bytes * beta:
   shm       ping-pong within a host (MPI shared memory)
   tcp       ping-pong between hosts (MPI over TCP; here the namespace's loopback)
+and, for each device count L measured (their runs' core sharing divided out):
   psum      the device-only psum over L local devices (XLA)
   rs+ag     the device-only psum_scatter + all_gather
+  combine   mpicoll's local combine alone (the device threads meet in its handler,
+            one reduces the L arrays; over MPI.COMM_SELF, so no traffic)
 
 Model, for an n-byte array on each of L devices of each of N nodes (one rank per
 node), with the MPI allreduce of m bytes over N ranks taken as the better of
 recursive doubling and reduce-scatter + allgather (Rabenseifner):
     ar(m, N)  = ceil(log2 N) * alpha_tcp + min(ceil(log2 N) * m, 2 (N-1)/N * m) * beta_tcp
-  small  = psum(n)  + ar(n, N) with L device streams sharing the node's link: the
-           bandwidth term counts L * n bytes (every device allreduces the whole array)
-  split  = rs+ag(n) + ar(n/L, N) per device, L of them sharing the link: L * n/L bytes
-  flat   = one rank per device, N*L ranks: ar over N*L ranks, the intra-node steps at
-           shm cost, the inter-node ones at tcp cost with L ranks sharing the link
-The choice it informs: mpicoll takes `split` above SPLIT_ALLREDUCE_BYTES per device.
+  combine = combine(n) + ar(n, N), one stream per node: n bytes on the link
+  small   = psum(n)  + ar(n, N) with L device streams sharing the node's link: the
+            bandwidth term counts L * n bytes (every device allreduces the whole array)
+  split   = rs+ag(n) + ar(n/L, N) per device, L of them sharing the link: L * n/L bytes
+  flat    = one rank per device, N*L ranks: ar over N*L ranks, the intra-node steps at
+            shm cost, the inter-node ones at tcp cost with L ranks sharing the link
+The choices it informs: on CPU mpicoll takes `combine` up to local_combine_bytes(L) =
+LOCAL_COMBINE_BYTES / (L - 1) per device; otherwise (GPUs, mpicoll.overlap(), or
+above it) `split` above
+split_allreduce_bytes(L) = SPLIT_ALLREDUCE_BYTES / (L - 1), else `small`.
 
 Checked against the measurements at every host count (relative error per point;
 the simulated hosts share the machine's cores, see `sharing`),
@@ -58,22 +65,50 @@ def fit(rows):
 
 def load():
     runs = {}
-    for path in sorted(RESULTS.glob("multihost-*-*h.json")):
+    for path in sorted(RESULTS.glob("multihost-*-*h*.json")):
         report = json.loads(path.read_text())
-        runs[(report["mode"], report["hosts"])] = report
+        runs[(report["mode"], report["hosts"], report.get("local_devices", 2))] = report
     if not runs:
         raise SystemExit(f"no measurements in {RESULTS}: run benchmarks/multihost_allreduce.sh")
     return runs
 
 
+DEVICE_COMPONENTS = {"psum": "local_psum", "rs+ag": "local_split", "combine": "local_combine"}
+
+
 def parameters(runs):
-    """Fit every component on all host counts' measurements together."""
-    pooled = {key: [] for key in ("pingpong_intra", "pingpong_inter", "local_psum", "local_split")}
-    for report in runs.values():
+    """Fit every component on all host counts' measurements together; the device
+    components per device count, as per-core costs (each run's sharing divided out)."""
+    pooled = {"pingpong_intra": [], "pingpong_inter": []}
+    per_device = {}
+    for (mode, hosts, local), report in runs.items():
         for key in pooled:
             pooled[key] += report.get(key, [])
-    return {"shm": fit(pooled["pingpong_intra"]), "tcp": fit(pooled["pingpong_inter"]),
-            "psum": fit(pooled["local_psum"]), "rs+ag": fit(pooled["local_split"])}
+        if mode != "devices":
+            continue
+        stretch = sharing(hosts, local, report["cores"])
+        for name, key in DEVICE_COMPONENTS.items():
+            per_device.setdefault(name, {}).setdefault(local, []).extend(
+                [n, t / stretch] for n, t in report.get(key, []))
+    p = {"shm": fit(pooled["pingpong_intra"]), "tcp": fit(pooled["pingpong_inter"])}
+    for name, by_local in per_device.items():
+        p[name] = {local: fit(rows) for local, rows in by_local.items() if rows}
+    return p
+
+
+def device_cost(p, name, local, n):
+    """A device component at `local` devices: fitted there, else from the nearest
+    device count fitted, its byte term scaled by the data the devices move (psum and
+    rs+ag run on all devices in parallel: per-device work ~ n; the combine's one
+    thread reduces L arrays: ~ (L - 1) n)."""
+    fitted = p[name]
+    if local in fitted:
+        alpha, beta = fitted[local]
+        return alpha + beta * n
+    nearest = min(fitted, key=lambda l: abs(l - local))
+    alpha, beta = fitted[nearest]
+    scale = (local - 1) / (nearest - 1) if name == "combine" else 1.0
+    return alpha + beta * scale * n
 
 
 def mpi_allreduce(m, ranks, alpha, beta, streams=1):
@@ -82,14 +117,19 @@ def mpi_allreduce(m, ranks, alpha, beta, streams=1):
     return steps * alpha + streams * moved * beta
 
 
+PATHS = ("combine", "small", "split", "flat")
+
+
 def model(path, n, nodes, local, p):
     a_tcp, b_tcp = p["tcp"]
+    if path == "combine":
+        return device_cost(p, "combine", local, n) + mpi_allreduce(n, nodes, a_tcp, b_tcp)
     if path == "small":
-        a, b = p["psum"]
-        return a + b * n + mpi_allreduce(n, nodes, a_tcp, b_tcp, streams=local)
+        return (device_cost(p, "psum", local, n)
+                + mpi_allreduce(n, nodes, a_tcp, b_tcp, streams=local))
     if path == "split":
-        a, b = p["rs+ag"]
-        return a + b * n + mpi_allreduce(n / local, nodes, a_tcp, b_tcp, streams=local)
+        return (device_cost(p, "rs+ag", local, n)
+                + mpi_allreduce(n / local, nodes, a_tcp, b_tcp, streams=local))
     if path == "flat":  # ranks = devices: log2 L steps in shared memory, log2 N over tcp
         a_shm, b_shm = p["shm"]
         return (mpi_allreduce(n, local, a_shm, b_shm)
@@ -97,13 +137,31 @@ def model(path, n, nodes, local, p):
     raise ValueError(path)
 
 
-def crossover(nodes, local, p):
-    """Bytes per device above which split beats small (inf: never; 0: always)."""
-    grid = np.logspace(2, 30, 400, base=2)
-    better = [n for n in grid if model("split", n, nodes, local, p) < model("small", n, nodes, local, p)]
+GRID = np.logspace(2, 30, 400, base=2)
+
+
+def crossover(nodes, local, p, lower="small", upper="split"):
+    """Bytes per device above which `upper` beats `lower` (inf: never; 0: always)."""
+    better = [n for n in GRID if model(upper, n, nodes, local, p) < model(lower, n, nodes, local, p)]
     if not better:
         return math.inf
-    return float(better[0]) if better[0] > grid[0] else 0.0
+    return float(better[0]) if better[0] > GRID[0] else 0.0
+
+
+def thresholds(runs):
+    """mpicoll's thresholds as the measured build had them (global_collectives.py)."""
+    for (mode, _, _), report in runs.items():
+        if mode == "devices" and "local_combine_bytes_at_2" in report:
+            return report["local_combine_bytes_at_2"], report["split_allreduce_bytes_at_2"]
+    raise SystemExit("rerun benchmarks/multihost_allreduce.sh: no thresholds in the results")
+
+
+def mpicoll_choice(n, local, limits, cpu=True):
+    """The path mpicoll's global allreduce takes for n bytes per device."""
+    combine_at_2, split_at_2 = limits
+    if cpu and local > 1 and n <= combine_at_2 / (local - 1):
+        return "combine"
+    return "split" if local > 1 and n >= split_at_2 / (local - 1) else "small"
 
 
 def human(nbytes):
@@ -130,20 +188,42 @@ def sharing(hosts, local, cores):
 
 
 def check(runs, p):
-    """Measured vs model at every host count and size: rows, and the median |error|."""
+    """Measured vs model at every host and device count and size: rows, and the
+    median and largest |error|."""
     rows, errors = [], []
-    for (mode, hosts), report in sorted(runs.items()):
+    for (mode, hosts, local), report in sorted(runs.items()):
         paths = {"flat": [("flat", "flat_allreduce")],
-                 "devices": [("small", "global_small"), ("split", "global_split")]}[mode]
-        local = 2
+                 "devices": [("combine", "global_combine"), ("small", "global_small"),
+                             ("split", "global_split")]}[mode]
+        local = 2 if mode == "flat" else local  # flat: 2 ranks per host
         stretch = sharing(hosts, local, report["cores"])
         for path, key in paths:
-            for n, measured in report[key]:
+            for n, measured in report.get(key, []):
                 predicted = stretch * model(path, n, hosts, local, p)
                 error = (predicted - measured) / measured
                 errors.append(abs(error))
-                rows.append((hosts, path, n, measured, predicted, error))
+                rows.append((hosts, local, path, n, measured, predicted, error))
     return rows, float(np.median(errors)), float(np.max(errors))
+
+
+def choices(runs, limits):
+    """Per measured device run and size: the fastest path measured, mpicoll's path,
+    and what mpicoll's choice costs against the fastest (1.00: it chose the fastest).
+    With the combine off (GPUs, mpicoll.overlap()) the choice is small or split."""
+    rows = []
+    for (mode, hosts, local), report in sorted(runs.items()):
+        if mode != "devices" or "global_combine" not in report:
+            continue
+        measured = {path: dict(report[f"global_{path}"]) for path in ("combine", "small", "split")}
+        for n in sorted(measured["small"]):
+            times = {path: measured[path][n] for path in measured}
+            best = min(times, key=times.get)
+            chosen = mpicoll_choice(n, local, limits)
+            best_off = min(("small", "split"), key=times.get)
+            chosen_off = mpicoll_choice(n, local, limits, cpu=False)
+            rows.append((hosts, local, n, best, chosen, times[chosen] / times[best],
+                         best_off, chosen_off, times[chosen_off] / times[best_off]))
+    return rows
 
 
 def svg_plot(series, title, path):
@@ -197,22 +277,40 @@ def human_time(seconds):
     return f"{seconds * 1e6:g} us"
 
 
+def best_path(n, nodes, local, p, paths):
+    return min(paths, key=lambda path: model(path, n, nodes, local, p))
+
+
 def main():
     runs = load()
     p = parameters(runs)
-    print("## Fitted parameters (time = alpha + bytes x beta)\n")
+    limits = thresholds(runs)
+    print("## Fitted parameters (time = alpha + bytes x beta; device components per core)\n")
     print("| component | alpha | beta | bandwidth 1/beta |")
     print("|---|---|---|---|")
-    for name, (alpha, beta) in p.items():
+    components = [(name, p[name]) for name in ("shm", "tcp")]
+    components += [(f"{name}, {local} devices", p[name][local])
+                   for name in DEVICE_COMPONENTS for local in sorted(p[name])]
+    for name, (alpha, beta) in components:
         print(f"| {name} | {us(alpha)} us | {beta * 1e9:.3f} ns/B | "
               f"{(1 / beta / 1e9 if beta else math.inf):.2f} GB/s |")
 
     rows, median_error, max_error = check(runs, p)
     print(f"\n## Model vs measurement (median |error| {median_error:.0%}, max {max_error:.0%})\n")
-    print("| hosts | path | bytes/device | measured us | model us | error |")
-    print("|---|---|---|---|---|---|")
-    for hosts, path, n, measured, predicted, error in rows:
-        print(f"| {hosts} | {path} | {human(n)} | {us(measured)} | {us(predicted)} | {error:+.0%} |")
+    print("| hosts | devices | path | bytes/device | measured us | model us | error |")
+    print("|---|---|---|---|---|---|---|")
+    for hosts, local, path, n, measured, predicted, error in rows:
+        print(f"| {hosts} | {local} | {path} | {human(n)} | {us(measured)} | {us(predicted)} "
+              f"| {error:+.0%} |")
+
+    print("\n## mpicoll's choice against the fastest path measured "
+          "(time of mpicoll's path / the fastest)\n")
+    print("| hosts | devices | bytes/device | CPU: fastest | mpicoll | cost "
+          "| combine off: fastest | mpicoll | cost |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for hosts, local, n, best, chosen, cost, best_off, chosen_off, cost_off in choices(runs, limits):
+        print(f"| {hosts} | {local} | {human(n)} | {best} | {chosen} | {cost:.2f} "
+              f"| {best_off} | {chosen_off} | {cost_off:.2f} |")
 
     nodes, local = 1000, 8
     sizes = [KIB, 16 * KIB, 256 * KIB, 4 * MIB, 64 * MIB]
@@ -220,24 +318,32 @@ def main():
     for label, tcp in NETWORKS.items():
         settings[label] = dict(p, tcp=tcp)
     print(f"\n## Projection: {nodes} nodes x {local} devices, time per allreduce (us)\n")
-    print("| network | path | " + " | ".join(human(n) for n in sizes) + " | split wins above |")
-    print("|---|---|" + "---|" * len(sizes) + "---|")
+    print("| network | path | " + " | ".join(human(n) for n in sizes) + " |")
+    print("|---|---|" + "---|" * len(sizes))
     series = []
-    colors = {"small": "#1f77b4", "split": "#d62728", "flat": "#2ca02c"}
+    colors = {"combine": "#9467bd", "small": "#1f77b4", "split": "#d62728", "flat": "#2ca02c"}
     dashes = ["", "6,3", "2,3"]
     grid = np.logspace(8, 27, 60, base=2)
     for (label, params), dash in zip(settings.items(), dashes):
-        for path in ("small", "split", "flat"):
+        for path in PATHS:
             times = [model(path, n, nodes, local, params) for n in sizes]
-            cross = human(crossover(nodes, local, params)) if path == "split" else ""
-            print(f"| {label} | {path} | " + " | ".join(us(t) for t in times) + f" | {cross} |")
+            print(f"| {label} | {path} | " + " | ".join(us(t) for t in times) + " |")
             series.append((f"{path}, {label.split(' (')[0]}",
                            [(n, model(path, n, nodes, local, params)) for n in grid],
                            (colors[path], dash)))
+        print("| | best (mpicoll) | " + " | ".join(
+            f"{best_path(n, nodes, local, params, PATHS[:3])} ({mpicoll_choice(n, local, limits)})"
+            for n in sizes) + " |")
+    print("\n## Crossovers (bytes per device above which the second path is faster)\n")
+    print("| network | nodes x devices | small -> split (mpicoll: split from) "
+          "| combine -> split (mpicoll: combine up to) |")
+    print("|---|---|---|---|")
     for label, params in settings.items():
-        print(f"\ncrossover small->split, {label}: " + ", ".join(
-            f"{n} nodes x {l} dev: {human(crossover(n, l, params))}"
-            for n, l in ((2, 2), (4, 2), (1000, 8))))
+        for n, l in ((2, 2), (4, 2), (2, 8), (1000, 2), (1000, 4), (1000, 8)):
+            print(f"| {label.split(' (')[0]} | {n} x {l} | {human(crossover(n, l, params))} "
+                  f"({human(limits[1] / (l - 1))}) | "
+                  f"{human(crossover(n, l, params, 'combine', 'split'))} "
+                  f"({human(limits[0] / (l - 1))}) |")
     FIGURE.parent.mkdir(exist_ok=True)
     svg_plot(series, f"allreduce model, {nodes} nodes x {local} devices (CPU device "
                      "costs fitted here; networks as labelled)", FIGURE)

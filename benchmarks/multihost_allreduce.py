@@ -7,11 +7,14 @@
 flat      one device per rank, 2 ranks per host.  Ping-pong (mpi4py, numpy buffers)
           between ranks 0 and 1 (one host: shared memory) and ranks 0 and 2 (two hosts:
           TCP), and mpicoll.allreduce over all ranks inside jit.
-devices   one rank per host with LOCAL fake CPU devices (XLA_FLAGS, set here).  The
-          global allreduce (axis_name) forced down each of its two paths: "small"
-          (psum over the devices, then every device allreduces the whole array across
-          ranks) and "split" (psum_scatter, every device allreduces its 1/L, all_gather);
-          and the device-only parts alone (psum; psum_scatter + all_gather), no MPI.
+devices   one rank per host with L fake CPU devices (--local, default 2; XLA_FLAGS,
+          set here).  The global allreduce (axis_name) forced down each of its three
+          paths: "combine" (the device threads meet in mpicoll's handler, one thread
+          reduces the L arrays and makes one MPI allreduce), "small" (psum over the
+          devices, then every device allreduces the whole array across ranks) and
+          "split" (psum_scatter, every device allreduces its 1/L, all_gather); and the
+          device-only parts alone, no MPI across hosts: psum; psum_scatter + all_gather;
+          the combine over MPI.COMM_SELF.
 
 Timing: a warm-up call (compiles), then REPEATS timed calls, each started after a
 barrier and taken as the slowest rank's time; a call is a jitted fori_loop of `inner`
@@ -25,7 +28,17 @@ import os
 import sys
 import time
 
-LOCAL = 2
+def _local_devices(argv):
+    """--local L, read before jax is imported (it fixes the fake device count)."""
+    for i, arg in enumerate(argv):
+        if arg == "--local" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--local="):
+            return int(arg.split("=", 1)[1])
+    return 2
+
+
+LOCAL = _local_devices(sys.argv)
 if len(sys.argv) > 1 and sys.argv[1] == "devices":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={LOCAL}")
@@ -42,7 +55,7 @@ from mpicoll import global_collectives, topology  # noqa: E402
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 KIB, MIB = 1024, 1024 * 1024
-SIZES = [KIB, 16 * KIB, 128 * KIB, MIB, 8 * MIB]  # bytes per device (float32)
+SIZES = [KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 8 * MIB]  # bytes per device (float32)
 REPEATS = 7
 
 
@@ -119,27 +132,34 @@ def measure_devices(report):
     def global_allreduce(v):
         return mpicoll.allreduce(v, axis_name="d")
 
+    def combined_here(v):  # the combine alone: the MPI allreduce is over this rank only
+        return mpicoll.allreduce(v, axis_name="d", comm=MPI.COMM_SELF)
+
+    # name -> (LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES while tracing, step, over
+    # every rank?).  Both thresholds are read when a call is traced: 0 and inf force a path.
+    inf = float("inf")
     paths = {
-        # The threshold is read when the function is traced: 0 forces the split path.
-        "global_small": (float("inf"), global_allreduce),
-        "global_split": (0, global_allreduce),
-        "local_psum": (None, lambda v: lax.psum(v, "d")),
-        "local_split": (None, lambda v: lax.all_gather(lax.psum_scatter(v, "d", tiled=True),
-                                                       "d", tiled=True)),
+        "global_combine": (inf, inf, global_allreduce, True),
+        "global_small": (0, inf, global_allreduce, True),
+        "global_split": (0, 0, global_allreduce, True),
+        "local_psum": (0, inf, lambda v: lax.psum(v, "d"), False),
+        "local_split": (0, inf, lambda v: lax.all_gather(lax.psum_scatter(v, "d", tiled=True),
+                                                         "d", tiled=True), False),
+        "local_combine": (inf, inf, combined_here, False),
     }
-    saved = global_collectives.SPLIT_ALLREDUCE_BYTES
+    saved = global_collectives.LOCAL_COMBINE_BYTES, global_collectives.SPLIT_ALLREDUCE_BYTES
     try:
-        for name, (threshold, step) in paths.items():
+        for name, (combine_bytes, split_bytes, step, across) in paths.items():
+            global_collectives.LOCAL_COMBINE_BYTES = combine_bytes
+            global_collectives.SPLIT_ALLREDUCE_BYTES = split_bytes
             rows = []
             for nbytes in SIZES:
                 count, inner = nbytes // 4, inner_for(nbytes)
-                if threshold is not None:
-                    global_collectives.SPLIT_ALLREDUCE_BYTES = threshold
-                every = participants if threshold is not None else local
+                every = participants if across else local
                 loop = jitted_loop(mapped(step), inner, np.float32(1 / every))
                 first = RANK * local
                 data = np.stack([np.full(count, first + k + 1, np.float32) for k in range(local)])
-                want = sum(range(1, participants + 1)) if threshold is not None \
+                want = sum(range(1, participants + 1)) if across \
                     else sum(range(first + 1, first + local + 1))
                 once = jax.jit(mapped(step))(jax.device_put(data, sharding))
                 assert np.all(np.asarray(once) == want), (name, np.asarray(once)[:, :3], want)
@@ -151,26 +171,33 @@ def measure_devices(report):
                 rows.append([nbytes, median_time(call) / inner])
             report[name] = rows
     finally:
-        global_collectives.SPLIT_ALLREDUCE_BYTES = saved
+        global_collectives.LOCAL_COMBINE_BYTES, global_collectives.SPLIT_ALLREDUCE_BYTES = saved
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=["flat", "devices"])
+    parser.add_argument("--local", type=int, default=2,
+                        help="devices: fake CPU devices per rank (default 2)")
     parser.add_argument("--output", help="JSON file (default benchmarks/results/"
-                                         "multihost-MODE-HOSTSh.json)")
+                                         "multihost-MODE-HOSTSh[-LOCALd].json)")
     args = parser.parse_args()
     t = topology.world()
     report = dict(mode=args.mode, hosts=t.node_count, ranks=SIZE, ranks_per_host=t.local_size,
                   local_devices=jax.local_device_count(),
                   mpi=MPI.Get_library_version().splitlines()[0].strip(), jax=jax.__version__,
-                  cores=os.cpu_count(), split_allreduce_bytes=global_collectives.SPLIT_ALLREDUCE_BYTES,
+                  cores=os.cpu_count(),
+                  split_allreduce_bytes=global_collectives.split_allreduce_bytes(LOCAL),
+                  split_allreduce_bytes_at_2=global_collectives.SPLIT_ALLREDUCE_BYTES,
+                  local_combine_bytes=global_collectives.local_combine_bytes(LOCAL),
+                  local_combine_bytes_at_2=global_collectives.LOCAL_COMBINE_BYTES,
                   load_before=os.getloadavg()[0])
     (measure_flat if args.mode == "flat" else measure_devices)(report)
     report["load_after"] = os.getloadavg()[0]
     if RANK == 0:
         path = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                           f"multihost-{args.mode}-{t.node_count}h.json")
+                                           f"multihost-{args.mode}-{t.node_count}h"
+                            f"{'' if args.mode == 'flat' or LOCAL == 2 else f'-{LOCAL}d'}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)

@@ -7,11 +7,13 @@ Each is composed of a lax collective over the local devices and an mpicoll
 per-device collective across ranks (device k of every rank talks on its own
 communicator, all devices in parallel):
 
-  allreduce  small (CPU, up to LOCAL_COMBINE_BYTES): the device threads combine
+  allreduce  combine (CPU, up to LOCAL_COMBINE_BYTES): the device threads combine
              their data in mpicoll's handler, one MPI allreduce for all of them.
-             medium: psum over devices, then MPI allreduce on every device.
-             large: psum_scatter over devices, MPI allreduce of 1/L of the data
-             per device (all devices in parallel), all_gather over devices.
+             Otherwise (GPU, mpicoll.overlap(), larger arrays), by size:
+             small: psum over devices, then MPI allreduce on every device.
+             split (from split_allreduce_bytes(L)): psum_scatter over devices, MPI
+             allreduce of 1/L of the data per device (all devices in parallel),
+             all_gather over devices.
   allgather  MPI allgather of each device's own x, then all_gather over devices.
   alltoall   all_to_all over devices, then MPI alltoall across ranks.
   bcast      the root device's x to its rank's devices, then MPI bcast per device.
@@ -38,10 +40,22 @@ from . import _compat, _dtypes_and_ops, collectives, comm as comm_layer, overlap
 _SUM = _dtypes_and_ops.OP_CODES["sum"]
 _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
 
-# Above this many bytes per device, allreduce splits the MPI work over the
-# devices (reduce-scatter / allreduce / all-gather) instead of every device
-# allreducing the whole array.
+# Above split_allreduce_bytes(L) per device, allreduce splits the MPI work over
+# the L devices (reduce-scatter / allreduce / all-gather) instead of every device
+# allreducing the whole array.  Splitting takes (L - 1) * n bytes per call off
+# each node's link (its devices send n bytes across nodes between them, not
+# L * n) for an extra cost on the node (psum_scatter + all_gather instead of
+# psum) that does not grow with L, so the crossover falls as 1 / (L - 1): the
+# cost model (benchmarks/allreduce_model.py, README "Many hosts") puts it at
+# 1/8 to 1/21 of the 2-device value at 8 devices.  SPLIT_ALLREDUCE_BYTES is the
+# crossover measured at 2 devices on the simulated cluster (split slower at
+# 128 KiB, faster from 1 MiB): 256 KiB at 2 devices, 85 KiB at 4, 37 KiB at 8.
 SPLIT_ALLREDUCE_BYTES = 256 * 1024
+
+
+def split_allreduce_bytes(local):
+    """Bytes per device above which the allreduce over `local` devices splits its MPI work."""
+    return SPLIT_ALLREDUCE_BYTES / max(local - 1, 1)
 
 _COMBINE = {
     "sum": jnp.add, "prod": jnp.multiply, "min": jnp.minimum, "max": jnp.maximum,
@@ -80,7 +94,7 @@ def _composed_allreduce(x, name, comm, axis_name):
         gathered = lax.all_gather(x, axis_name)
         combined = functools.reduce(_COMBINE[name], [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
-    if x.size * x.dtype.itemsize < SPLIT_ALLREDUCE_BYTES or local == 1:
+    if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
         return per_rank(lax.psum(x, axis_name))
     flat = x.reshape(-1)
     padded = -flat.size % local
@@ -113,11 +127,22 @@ def _composed_allreduce(x, name, comm, axis_name):
 # CPU only (the handler reads the device buffers on the host), and not inside
 # mpicoll.overlap() (whose calls run on progress threads; the composition
 # overlaps instead).  Read when a call is traced.
+# With more devices the split path wins earlier: on the simulated cluster at 8
+# devices per host (benchmarks/multihost_allreduce.sh) the combine was 1.7x
+# faster than split at 64 KiB and split 1.14-1.38x faster at 256 KiB and
+# 1.21-1.24x at 1 MiB; the cost model puts the crossover at 437 KiB for 4
+# devices and 130 KiB for 8.  So the threshold, like the split's, falls as
+# 1 / (L - 1): 1 MiB at 2 devices, 341 KiB at 4, 146 KiB at 8.
 LOCAL_COMBINE_BYTES = 1024 * 1024
 
 
+def local_combine_bytes(local):
+    """Bytes per device up to which the allreduce over `local` devices combines in the handler."""
+    return LOCAL_COMBINE_BYTES / max(local - 1, 1)
+
+
 def _combines_in_handler(x, local):
-    return (local > 1 and x.size * x.dtype.itemsize <= LOCAL_COMBINE_BYTES
+    return (local > 1 and x.size * x.dtype.itemsize <= local_combine_bytes(local)
             and not overlap.active() and jax.default_backend() == "cpu")
 
 

@@ -155,7 +155,8 @@ def test_global_axis_name_ops_across_hosts(devices_job):
     job = devices_job
     results = checks(job, "global")
     expected = {f"{how}-{name}" for how in ("pmap", "shard_map")
-                for name in ("allreduce-sum-small", "allreduce-sum-split", "allreduce-max",
+                for name in ("allreduce-sum-combine", "allreduce-sum-small", "allreduce-sum-split",
+                             "allreduce-max",
                              "allgather", "alltoall", "bcast")}
     assert set(results) == expected, summary(job)
     assert all(v == "ok" for v in results.values()), f"{results}\n{summary(job)}"

@@ -38,7 +38,7 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 DEVICES = jax.local_devices()[:LOCAL]
 MESH = Mesh(np.array(DEVICES), ("i",))
-THRESHOLD = global_collectives.LOCAL_COMBINE_BYTES
+THRESHOLD = int(global_collectives.local_combine_bytes(LOCAL))
 failures = []
 
 if SCENARIO == "stray":
@@ -112,7 +112,7 @@ def uses_combine(fn, *args):
 
 # Small (a few elements, 4 KiB) and large (above the threshold, and above the
 # split of the composition) per device, every op with a dtype it takes.
-SIZES = {"3 elements": 3, "4 KiB": 1024, "above threshold": 2 * THRESHOLD // 4 + 5}
+SIZES = {"2 elements": 2, "4 KiB": 1024, "above threshold": 2 * THRESHOLD // 4 + 5}
 CASES = [("sum", np.float32), ("sum", np.float64), ("sum", np.int32), ("sum", np.float16),
          ("prod", np.float64), ("min", np.float32), ("max", np.int64), ("land", np.bool_),
          ("lor", np.int32), ("lxor", np.bool_), ("band", np.int32), ("bor", np.uint8),
@@ -137,6 +137,19 @@ for size_name, count in SIZES.items():
             batch = np.stack([mine, mine[:, ::-1]], axis=1)  # (L, 2, count)
             check(f"pmap vmap {name}", pmapped(jax.vmap(fn))(batch),
                   np.stack([want, reference(mine[:, ::-1], op)], axis=1), rtol)
+
+# The composition (combine off: GPUs, mpicoll.overlap()) splits its MPI work
+# over the devices above split_allreduce_bytes(L), which falls as 1 / (L - 1).
+if LOCAL > 1:
+    edge = int(global_collectives.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
+    for count, splits in ((edge - 1, False), (edge + 3, True)):
+        mine = my_data(count, np.float32, 90)
+        fn = lambda v: mpicoll.allreduce(v, axis_name="i")  # noqa: E731
+        program = composed(lambda: str(jax.make_jaxpr(pmapped(fn))(mine)))
+        if ("reduce_scatter" in program) != splits:
+            fail(f"split at {count} elements", f"psum_scatter in the program: {not splits}")
+        check(f"composition {count} elements", composed(lambda: pmapped(fn)(mine)),
+              reference(mine, "sum"))
 
 # Typed outputs (check_vma): the same type as the composition's, sum and max.
 for op in ("sum", "max"):

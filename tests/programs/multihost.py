@@ -8,7 +8,7 @@ Sections (run in the order given):
                several dtypes, sizes (one above MPI's eager limit, so TCP's
                rendezvous protocol runs between hosts), roots on other hosts,
                reduction ops, eager and jit; and barrier
-  global       allreduce (small, split above SPLIT_ALLREDUCE_BYTES, max), allgather,
+  global       allreduce (its three paths: combine, small, split; max), allgather,
                alltoall and bcast with axis_name, in pmap and in shard_map, over
                LOCAL_DEVICES fake CPU devices per rank (set before jax starts)
   loop         prints `ready RANK PID HOST`, then jitted allreduces forever (the
@@ -202,8 +202,13 @@ def section_global():
     participants = SIZE * local
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("d",))
-    split = global_collectives.SPLIT_ALLREDUCE_BYTES // 4 + 3  # float32 elements: split path
+    # float32 elements just above the split threshold (odd: the split pads)
+    split = int(global_collectives.split_allreduce_bytes(local)) // 4 + 3
     cases = {
+        # the allreduce's three paths; "small" and "split" as with the combine off
+        # (GPUs, mpicoll.overlap()), which tracing with LOCAL_COMBINE_BYTES = 0 gives
+        "allreduce-sum-combine": (lambda v: mpicoll.allreduce(v, axis_name="d"), 6, np.float32,
+                                  lambda s, p: s.sum(0)),
         "allreduce-sum-small": (lambda v: mpicoll.allreduce(v, axis_name="d"), 6, np.float32,
                                 lambda s, p: s.sum(0)),
         "allreduce-sum-split": (lambda v: mpicoll.allreduce(v, axis_name="d"), split, np.float32,
@@ -220,14 +225,20 @@ def section_global():
     for name, (fn, shape, dtype, want) in cases.items():
         shape = shape if isinstance(shape, tuple) else (shape,)
         mine = np.stack([rank_input(shape, dtype, RANK * local + k, "sum") for k in range(local)])
+        combine_off = name in ("allreduce-sum-small", "allreduce-sum-split")
         for how in ("pmap", "shard_map"):
-            if how == "pmap":
-                out = jax.pmap(fn, axis_name="d", devices=devices)(mine)
-            else:
-                mapped = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P("d"),
-                                       out_specs=P("d"), check_vma=False)
-                out = jax.jit(mapped)(jax.device_put(mine, jax.sharding.NamedSharding(
-                    mesh, P("d"))))
+            saved = global_collectives.LOCAL_COMBINE_BYTES
+            global_collectives.LOCAL_COMBINE_BYTES = 0 if combine_off else saved
+            try:
+                if how == "pmap":
+                    out = jax.pmap(fn, axis_name="d", devices=devices)(mine)
+                else:
+                    mapped = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P("d"),
+                                           out_specs=P("d"), check_vma=False)
+                    out = jax.jit(mapped)(jax.device_put(mine, jax.sharding.NamedSharding(
+                        mesh, P("d"))))
+            finally:
+                global_collectives.LOCAL_COMBINE_BYTES = saved
             out = np.asarray(out)
 
             def expected_of(stack, r, want=want):
