@@ -45,11 +45,13 @@ _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
 # allreducing the whole array.  Splitting takes (L - 1) * n bytes per call off
 # each node's link (its devices send n bytes across nodes between them, not
 # L * n) for an extra cost on the node (psum_scatter + all_gather instead of
-# psum) that does not grow with L, so the crossover falls as 1 / (L - 1): the
-# cost model (benchmarks/allreduce_model.py, README "Many hosts") puts it at
-# 1/8 to 1/21 of the 2-device value at 8 devices.  SPLIT_ALLREDUCE_BYTES is the
-# crossover measured at 2 devices on the simulated cluster (split slower at
-# 128 KiB, faster from 1 MiB): 256 KiB at 2 devices, 85 KiB at 4, 37 KiB at 8.
+# psum) that does not grow with L, so the crossover falls as 1 / (L - 1).
+# SPLIT_ALLREDUCE_BYTES is the crossover measured at 2 devices on the simulated
+# cluster (split slower at 128 KiB, faster from 1 MiB); at 8 devices split was
+# 1.11-1.41x faster than small at 64 KiB there, and the cost model
+# (benchmarks/allreduce_model.py, README "Many hosts") puts the crossover at
+# 4-19 KiB for 1,000 nodes x 8 devices.  256 KiB at 2 devices, 85 KiB at 4,
+# 37 KiB at 8.
 SPLIT_ALLREDUCE_BYTES = 256 * 1024
 
 
