@@ -149,19 +149,21 @@ def crossover(nodes, local, p, lower="small", upper="split"):
 
 
 def thresholds(runs):
-    """mpicoll's thresholds as the measured build had them (global_collectives.py)."""
-    for (mode, _, _), report in runs.items():
-        if mode == "devices" and "local_combine_bytes_at_2" in report:
-            return report["local_combine_bytes_at_2"], report["split_allreduce_bytes_at_2"]
-    raise SystemExit("rerun benchmarks/multihost_allreduce.sh: no thresholds in the results")
+    """mpicoll's thresholds per device count, as the measured build computed them
+    (global_collectives.local_combine_bytes / split_allreduce_bytes): {L: (combine, split)}."""
+    limits = {local: (report["local_combine_bytes"], report["split_allreduce_bytes"])
+              for (mode, _, local), report in runs.items() if mode == "devices"}
+    if not limits:
+        raise SystemExit("rerun benchmarks/multihost_allreduce.sh: no device runs in the results")
+    return limits
 
 
 def mpicoll_choice(n, local, limits, cpu=True):
     """The path mpicoll's global allreduce takes for n bytes per device."""
-    combine_at_2, split_at_2 = limits
-    if cpu and local > 1 and n <= combine_at_2 / (local - 1):
+    combine_bytes, split_bytes = limits[local]
+    if cpu and n <= combine_bytes:
         return "combine"
-    return "split" if local > 1 and n >= split_at_2 / (local - 1) else "small"
+    return "split" if n >= split_bytes else "small"
 
 
 def human(nbytes):
@@ -341,9 +343,9 @@ def main():
     for label, params in settings.items():
         for n, l in ((2, 2), (4, 2), (2, 8), (1000, 2), (1000, 4), (1000, 8)):
             print(f"| {label.split(' (')[0]} | {n} x {l} | {human(crossover(n, l, params))} "
-                  f"({human(limits[1] / (l - 1))}) | "
+                  f"({human(limits[l][1])}) | "
                   f"{human(crossover(n, l, params, 'combine', 'split'))} "
-                  f"({human(limits[0] / (l - 1))}) |")
+                  f"({human(limits[l][0])}) |")
     FIGURE.parent.mkdir(exist_ok=True)
     svg_plot(series, f"allreduce model, {nodes} nodes x {local} devices (CPU device "
                      "costs fitted here; networks as labelled)", FIGURE)

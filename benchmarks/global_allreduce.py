@@ -201,13 +201,8 @@ def run_mpicoll_phase(args, comm):
                                                            (local, count)))
                 fn = jax.jit(jax.shard_map(looped(step, inner_now, summed), mesh=mesh,
                                            in_specs=P("d"), out_specs=P("d"), check_vma=False))
-                default_bytes = global_collectives.LOCAL_COMBINE_BYTES
-                if combine_bytes is not None:
-                    global_collectives.LOCAL_COMBINE_BYTES = combine_bytes
-                try:
+                with global_collectives.allreduce_thresholds(combine_bytes=combine_bytes):
                     out = fn(x).block_until_ready()  # traces with the setting above
-                finally:
-                    global_collectives.LOCAL_COMBINE_BYTES = default_bytes
                 got = np.asarray(out).reshape(local, count)
                 ok = bool(np.allclose(got, want, rtol=1e-6))
                 del out

@@ -147,12 +147,9 @@ def measure_devices(report):
                                                          "d", tiled=True), False),
         "local_combine": (inf, inf, combined_here, False),
     }
-    saved = global_collectives.LOCAL_COMBINE_BYTES, global_collectives.SPLIT_ALLREDUCE_BYTES
-    try:
-        for name, (combine_bytes, split_bytes, step, across) in paths.items():
-            global_collectives.LOCAL_COMBINE_BYTES = combine_bytes
-            global_collectives.SPLIT_ALLREDUCE_BYTES = split_bytes
-            rows = []
+    for name, (combine_bytes, split_bytes, step, across) in paths.items():
+        rows = []
+        with global_collectives.allreduce_thresholds(combine_bytes, split_bytes):
             for nbytes in SIZES:
                 count, inner = nbytes // 4, inner_for(nbytes)
                 every = participants if across else local
@@ -169,9 +166,7 @@ def measure_devices(report):
                     state["x"] = loop(state["x"])
                     state["x"].block_until_ready()
                 rows.append([nbytes, median_time(call) / inner])
-            report[name] = rows
-    finally:
-        global_collectives.LOCAL_COMBINE_BYTES, global_collectives.SPLIT_ALLREDUCE_BYTES = saved
+        report[name] = rows
 
 
 def main():
@@ -188,9 +183,7 @@ def main():
                   mpi=MPI.Get_library_version().splitlines()[0].strip(), jax=jax.__version__,
                   cores=os.cpu_count(),
                   split_allreduce_bytes=global_collectives.split_allreduce_bytes(LOCAL),
-                  split_allreduce_bytes_at_2=global_collectives.SPLIT_ALLREDUCE_BYTES,
                   local_combine_bytes=global_collectives.local_combine_bytes(LOCAL),
-                  local_combine_bytes_at_2=global_collectives.LOCAL_COMBINE_BYTES,
                   load_before=os.getloadavg()[0])
     (measure_flat if args.mode == "flat" else measure_devices)(report)
     report["load_after"] = os.getloadavg()[0]

@@ -39,13 +39,14 @@ from ._native import thread_mode  # noqa: E402
 _failures.configure_from_environment()
 set_autodiff(_failures.choice_from_environment("MPICOLL_AUTODIFF", ("checked", "convention")))
 # Unset: device-order where it is available (collectives.py), else tokens.
-_dispatch = _failures.choice_from_environment("MPICOLL_DISPATCH", ("default", "device-order", "tokens"))
+_dispatch = _failures.choice_from_environment("MPICOLL_DISPATCH",
+                                              ("default", "device-order", "tokens"))
 set_dispatch(_dispatch if _dispatch != "default" else
              ("device-order" if _collectives.DEVICE_ORDER_AVAILABLE else "tokens"))
 del _dispatch
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
-           "clear_error", "default_comm", "dispatch_mode", "exscan", "gather", "gatherv", "mesh", "overlap", "pvary",
-           "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
+           "clear_error", "default_comm", "dispatch_mode", "exscan", "gather", "gatherv", "mesh",
+           "overlap", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
            "set_autodiff", "set_check_mode", "set_dispatch", "set_timeout", "thread_mode"]

@@ -21,12 +21,13 @@ communicator, all devices in parallel):
              its own local index, for every rank), then MPI reduce_scatter.
 
 Autodiff and vmap follow the matching lax collective over one axis spanning all
-participants: the lax pieces bring their own rules (the small allreduce's
-derivative is the composition's), and the MPI pieces are told
+participants: the lax pieces bring their own rules (the combine's derivative
+is the composition's), and the MPI pieces are told
 (transpose_sums) whether cotangents of replicated values are summed (pmap,
 shard_map(check_vma=False)) or taken once (shard_map with check_vma).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -55,9 +56,31 @@ _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
 SPLIT_ALLREDUCE_BYTES = 256 * 1024
 
 
+def _scaled_to(local, bytes_at_two_devices):
+    """A threshold set at 2 devices, at `local` devices: it falls as 1 / (L - 1)."""
+    return bytes_at_two_devices / max(local - 1, 1)
+
+
 def split_allreduce_bytes(local):
     """Bytes per device above which the allreduce over `local` devices splits its MPI work."""
-    return SPLIT_ALLREDUCE_BYTES / max(local - 1, 1)
+    return _scaled_to(local, SPLIT_ALLREDUCE_BYTES)
+
+
+@contextlib.contextmanager
+def allreduce_thresholds(combine_bytes=None, split_bytes=None):
+    """Within: allreduces traced use these LOCAL_COMBINE_BYTES / SPLIT_ALLREDUCE_BYTES
+    (None keeps one; 0 or inf forces a path), for measurements and tests."""
+    global LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES
+    saved = LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES
+    if combine_bytes is not None:
+        LOCAL_COMBINE_BYTES = combine_bytes
+    if split_bytes is not None:
+        SPLIT_ALLREDUCE_BYTES = split_bytes
+    try:
+        yield
+    finally:
+        LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES = saved
+
 
 _COMBINE = {
     "sum": jnp.add, "prod": jnp.multiply, "min": jnp.minimum, "max": jnp.maximum,
@@ -140,7 +163,7 @@ LOCAL_COMBINE_BYTES = 1024 * 1024
 
 def local_combine_bytes(local):
     """Bytes per device up to which the allreduce over `local` devices combines in the handler."""
-    return LOCAL_COMBINE_BYTES / max(local - 1, 1)
+    return _scaled_to(local, LOCAL_COMBINE_BYTES)
 
 
 def _combines_in_handler(x, local):

@@ -36,10 +36,11 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
-#include <numeric>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <unordered_set>
 #include <vector>
 
@@ -1730,23 +1731,21 @@ void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& rea
 }
 
 // This thread's part once all L are here: reduce slice `part` of the L inputs
-// (taken in device order) into m.combined.  Runs without the lock: the slices
-// are disjoint, and nothing else of the meeting changes until every slice is in.
+// (in device order: the last arrival sorted them) into m.combined.  Runs
+// without the lock: the slices are disjoint, and nothing else of the meeting
+// changes until every slice is in.
 ffi::Error ReduceLocalSlice(LocalMeeting& m, const Call& c, int part) {
   const int local = m.expected;
-  int order[kMaxLocalDevices];
-  std::iota(order, order + local, 0);
-  std::sort(order, order + local, [&](int a, int b) { return m.devices[a] < m.devices[b]; });
   const size_t count = c.in_count;
   const size_t begin = count * part / local, end = count * (part + 1) / local;
   const size_t offset = begin * c.elem_bytes;
   char* into = m.combined.data() + offset;
-  std::memcpy(into, m.inputs[order[0]] + offset, (end - begin) * c.elem_bytes);
+  std::memcpy(into, m.inputs[0] + offset, (end - begin) * c.elem_bytes);
   for (int i = 1; i < local; ++i) {
     for (size_t at = begin; at < end; at += kMaxChunk) {
       const int n = static_cast<int>(std::min(kMaxChunk, end - at));
       const size_t from = (at - begin) * c.elem_bytes;
-      const int rc = MPI_Reduce_local(m.inputs[order[i]] + offset + from, into + from, n,
+      const int rc = MPI_Reduce_local(m.inputs[i] + offset + from, into + from, n,
                                       c.type, c.mpi_op);
       if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
     }
@@ -1807,9 +1806,14 @@ ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi:
   if (index + 1 == m.expected) {
     // The last arrival resets the call's shared state: every thread of the
     // previous call has arrived here, so none still reads its error or copies
-    // out of the buffer.
+    // out of the buffer.  It puts the arrivals in device order: the leader
+    // (lowest device) first, each thread's slice at its position.
     m.error.clear();
     if (m.mismatch.empty()) m.combined.resize(m.bytes);
+    std::pair<int32_t, const char*> arrivals[kMaxLocalDevices];
+    for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i]};
+    std::sort(arrivals, arrivals + m.expected);
+    for (int i = 0; i < m.expected; ++i) std::tie(m.devices[i], m.inputs[i]) = arrivals[i];
   }
   m.arrived.store(index + 1);
   m.changed.notify_all();
@@ -1822,9 +1826,9 @@ ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi:
     });
   }
   if (m.generation.load() == generation) {  // everyone is here, nobody has published yet
-    const int32_t leader = *std::min_element(m.devices, m.devices + m.expected);
-    const int part = static_cast<int>(
-        std::count_if(m.devices, m.devices + m.expected, [&](int32_t d) { return d < device; }));
+    const int32_t leader = m.devices[0];
+    const int part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) -
+                                      m.devices);
     std::string failed = m.mismatch;
     if (failed.empty()) {
       lock.unlock();

@@ -98,12 +98,8 @@ def shard_mapped(fn, check_vma):
 
 def composed(trace):
     """trace() with the lax composition at every size (today's path)."""
-    saved = global_collectives.LOCAL_COMBINE_BYTES
-    global_collectives.LOCAL_COMBINE_BYTES = 0
-    try:
+    with global_collectives.allreduce_thresholds(combine_bytes=0):
         return trace()
-    finally:
-        global_collectives.LOCAL_COMBINE_BYTES = saved
 
 
 def uses_combine(fn, *args):

@@ -227,9 +227,8 @@ def section_global():
         mine = np.stack([rank_input(shape, dtype, RANK * local + k, "sum") for k in range(local)])
         combine_off = name in ("allreduce-sum-small", "allreduce-sum-split")
         for how in ("pmap", "shard_map"):
-            saved = global_collectives.LOCAL_COMBINE_BYTES
-            global_collectives.LOCAL_COMBINE_BYTES = 0 if combine_off else saved
-            try:
+            with global_collectives.allreduce_thresholds(combine_bytes=0 if combine_off
+                                                         else None):
                 if how == "pmap":
                     out = jax.pmap(fn, axis_name="d", devices=devices)(mine)
                 else:
@@ -237,8 +236,6 @@ def section_global():
                                            out_specs=P("d"), check_vma=False)
                     out = jax.jit(mapped)(jax.device_put(mine, jax.sharding.NamedSharding(
                         mesh, P("d"))))
-            finally:
-                global_collectives.LOCAL_COMBINE_BYTES = saved
             out = np.asarray(out)
 
             def expected_of(stack, r, want=want):
