@@ -12,7 +12,7 @@ so that load drift hits all alike:
   + allreduce, tokens the same program compiled with mpicoll.set_dispatch("tokens")
                       (JAX's runtime tokens, mpicoll's token fast path)
   + allreduce, JAX's  tokens mode with JAX's own runtime-token method
-                      (mpicoll skips a resharding of the token; see _compat)
+                      (mpicoll skips a resharding of the token; see _compat.dispatch_hooks)
   step, 100 arrays    jax.jit over a list of 100 float32[1]: each + 1  (reference)
   + allreduce         the list allreduced (one fused call) then + 1, device order
   + allreduce, tokens the same in tokens mode

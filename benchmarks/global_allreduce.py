@@ -171,7 +171,6 @@ def run_mpicoll_phase(args, comm):
     participants = size * local
     mesh = jax.make_mesh((local,), ("d",))
     sharding = NamedSharding(mesh, P("d"))
-    global_collectives = mpicoll.global_collectives
     # name -> (step, LOCAL_COMBINE_BYTES while tracing (None: the default), scale, want)
     mean_over_ranks = np.mean([[participant_data(r * local + k, 1) for k in range(local)]
                                for r in range(size)], axis=0)  # shape (local, 1): per device
@@ -201,7 +200,7 @@ def run_mpicoll_phase(args, comm):
                                                            (local, count)))
                 fn = jax.jit(jax.shard_map(looped(step, inner_now, summed), mesh=mesh,
                                            in_specs=P("d"), out_specs=P("d"), check_vma=False))
-                with global_collectives.allreduce_thresholds(combine_bytes=combine_bytes):
+                with mpicoll._settings.override(local_combine_bytes=combine_bytes):
                     out = fn(x).block_until_ready()  # traces with the setting above
                 got = np.asarray(out).reshape(local, count)
                 ok = bool(np.allclose(got, want, rtol=1e-6))
@@ -214,8 +213,8 @@ def run_mpicoll_phase(args, comm):
         del x
     info = dict(ranks=size, local_devices=local, participants=participants,
                 jax=jax.__version__, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                split_allreduce_bytes=mpicoll.global_collectives.SPLIT_ALLREDUCE_BYTES,
-                local_combine_bytes=(mpicoll.global_collectives.LOCAL_COMBINE_BYTES
+                split_allreduce_bytes=mpicoll._settings.current().split_allreduce_bytes,
+                local_combine_bytes=(mpicoll._settings.current().local_combine_bytes
                                      if args.combine_bytes is None else args.combine_bytes))
     return results, info
 

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll import global_collectives, topology  # noqa: E402
+from mpicoll import _ranks_devices, _settings, topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -149,7 +149,8 @@ def measure_devices(report):
     }
     for name, (combine_bytes, split_bytes, step, across) in paths.items():
         rows = []
-        with global_collectives.allreduce_thresholds(combine_bytes, split_bytes):
+        with _settings.override(local_combine_bytes=combine_bytes,
+                               split_allreduce_bytes=split_bytes):
             for nbytes in SIZES:
                 count, inner = nbytes // 4, inner_for(nbytes)
                 every = participants if across else local
@@ -182,8 +183,8 @@ def main():
                   local_devices=jax.local_device_count(),
                   mpi=MPI.Get_library_version().splitlines()[0].strip(), jax=jax.__version__,
                   cores=os.cpu_count(),
-                  split_allreduce_bytes=global_collectives.split_allreduce_bytes(LOCAL),
-                  local_combine_bytes=global_collectives.local_combine_bytes(LOCAL),
+                  split_allreduce_bytes=_ranks_devices.split_allreduce_bytes(LOCAL),
+                  local_combine_bytes=_ranks_devices.local_combine_bytes(LOCAL),
                   load_before=os.getloadavg()[0])
     (measure_flat if args.mode == "flat" else measure_devices)(report)
     report["load_after"] = os.getloadavg()[0]

@@ -1,13 +1,14 @@
 """Load the FFI extension, check it matches mpi4py's MPI, register the targets."""
 
 import atexit
-import os
 import re
 
 import jax
 # Initializes MPI at mpi4py's thread level: MPI_THREAD_MULTIPLE unless the user
 # chose another (MPI4PY_RC_THREAD_LEVEL, or mpi4py.rc.thread_level before this).
 from mpi4py import MPI
+
+from . import _settings
 
 # What a user runs to (re)build the extension against the MPI they run with.
 _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
@@ -110,8 +111,8 @@ for _platform in PLATFORMS:
 # Chosen once, here: device pointers straight to MPI when the MPI library says it
 # is CUDA-aware (or MPICOLL_GPU_TRANSPORT=cuda-aware forces it), else pinned host
 # staging.  MPICOLL_GPU_CHUNK_BYTES sets the staging pipeline's chunk (0 = none).
-GPU_TRANSPORTS = ("auto", "staged", "cuda-aware")
-DEFAULT_GPU_CHUNK_BYTES = 4 << 20
+GPU_TRANSPORTS = _settings.GPU_TRANSPORTS
+DEFAULT_GPU_CHUNK_BYTES = _settings.DEFAULT_GPU_CHUNK_BYTES
 
 
 def cuda_aware_mpi():
@@ -119,20 +120,9 @@ def cuda_aware_mpi():
     return extension.cuda_aware_mpi()
 
 
-def _choose_gpu_transport():
-    """(transport, reason, chunk bytes) from the environment and the MPI library."""
-    asked = os.environ.get("MPICOLL_GPU_TRANSPORT", "auto").strip().lower() or "auto"
-    if asked not in GPU_TRANSPORTS:
-        raise ImportError(f"mpicoll: MPICOLL_GPU_TRANSPORT={asked!r}; use one of "
-                          f"{', '.join(GPU_TRANSPORTS)}")
-    raw_chunk = os.environ.get("MPICOLL_GPU_CHUNK_BYTES", str(DEFAULT_GPU_CHUNK_BYTES))
-    try:
-        chunk = int(raw_chunk)
-        if chunk < 0:
-            raise ValueError
-    except ValueError:
-        raise ImportError(f"mpicoll: MPICOLL_GPU_CHUNK_BYTES={raw_chunk!r} must be a "
-                          "non-negative integer (bytes; 0 = no pipelining)") from None
+def _choose_gpu_transport(settings):
+    """(transport, reason, chunk bytes) from the settings and the MPI library."""
+    asked, chunk = settings.gpu_transport, settings.gpu_chunk_bytes
     if asked != "auto":
         return asked, f"MPICOLL_GPU_TRANSPORT={asked}", chunk
     aware = cuda_aware_mpi()
@@ -143,7 +133,7 @@ def _choose_gpu_transport():
     return "staged", f"{why}: pinned host staging", chunk
 
 
-GPU_TRANSPORT, GPU_TRANSPORT_REASON, GPU_CHUNK_BYTES = _choose_gpu_transport()
+GPU_TRANSPORT, GPU_TRANSPORT_REASON, GPU_CHUNK_BYTES = _choose_gpu_transport(_settings.current())
 if "cuda" in PLATFORMS:
     extension.set_gpu_transport(GPU_TRANSPORT == "cuda-aware", GPU_CHUNK_BYTES)
 

@@ -14,25 +14,17 @@
   completed in time reports the op, rank and communicator and aborts the job.
 """
 
-import os
 import sys
 import threading
 import traceback
 
 from mpi4py import MPI
 
-from . import _compat
+from . import _compat, _settings
 from ._native import extension
 
 
-def _env_flag(name, default):
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-CHECK_MODES = ("off", "first-run", "every-call")  # the handler's codes 0, 1, 2
+CHECK_MODES = _settings.CHECK_MODES  # the handler's codes 0, 1, 2
 _check_mode = "first-run"
 
 
@@ -106,28 +98,12 @@ def install_abort_on_error():
     threading.excepthook = thread_excepthook
 
 
-def choice_from_environment(name, choices):
-    """The value of environment variable `name`, one of choices (unset: the first)."""
-    value = os.environ.get(name, "").strip().lower() or choices[0]
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def configure_from_environment():
-    if _env_flag("MPICOLL_ABORT_ON_ERROR", MPI.COMM_WORLD.Get_size() > 1):
+def configure(settings):
+    """Apply the settings read at import (_settings.py): abort on error, check mode, timeout."""
+    world_size = MPI.COMM_WORLD.Get_size()
+    abort = settings.abort_on_error if settings.abort_on_error is not None else world_size > 1
+    if abort:
         install_abort_on_error()
-    check = os.environ.get("MPICOLL_CHECK", "").strip().lower()
-    if check in ("", "first", "first-run"):
-        set_check_mode("first-run")
-    elif check in ("every-call", "all"):
-        set_check_mode("every-call")
-    else:
-        set_check_mode(_env_flag("MPICOLL_CHECK", False))
-    timeout = os.environ.get("MPICOLL_TIMEOUT", "").strip()
-    if timeout:
-        try:
-            set_timeout(float(timeout))
-        except ValueError:
-            raise ValueError(f"MPICOLL_TIMEOUT must be a number of seconds, got {timeout!r}") \
-                from None
+    set_check_mode(settings.check)
+    if settings.timeout:
+        set_timeout(settings.timeout)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from . import _native, collectives, comm as comm_layer, p2p
+from . import _native, _typing, _validate, api, comm as comm_layer, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
 
@@ -29,7 +29,7 @@ def _mpi4jax_autodiff(function):
     program written for it expects that, so the adapter's calls follow it."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        with collectives.convention_autodiff():
+        with _typing.convention_autodiff():
             return function(*args, **kwargs)
     return call
 
@@ -66,21 +66,21 @@ def has_sycl_support():
 def allreduce(x, op, *, comm=None, token=_NOTSET):
     """op over every rank's x, on every rank."""
     _no_token("allreduce", token)
-    return collectives.allreduce(x, op, comm=comm)
+    return api.allreduce(x, op, comm=comm)
 
 
 @_mpi4jax_autodiff
 def allgather(x, *, comm=None, token=_NOTSET):
     """(size, *x.shape): every rank's x, by rank."""
     _no_token("allgather", token)
-    return collectives.allgather(x, comm=comm)
+    return api.allgather(x, comm=comm)
 
 
 def _leading_axis_is_size(x, comm, name, what):
     """mpi4jax's own shape check: local to the rank that calls (as in mpi4jax, a
     rank that alone passes a wrong shape raises alone; mpicoll's checks, which
     every rank agrees on, run after it)."""
-    x = collectives._as_array(x, name)
+    x = _validate.as_array(x, name)
     size = comm_layer.resolve(comm, name).size
     if x.ndim == 0 or x.shape[0] != size:
         raise ValueError(f"{what} input must have shape (nproc, ...) = ({size}, ...), "
@@ -93,27 +93,27 @@ def alltoall(x, *, comm=None, token=_NOTSET):
     """x: (size, *s); out[j] = x[rank] of rank j."""
     _no_token("alltoall", token)
     x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
-    return collectives.alltoall(x, comm=comm)
+    return api.alltoall(x, comm=comm)
 
 
 def barrier(*, comm=None, token=_NOTSET):
     """Wait for every rank (in program order)."""
     _no_token("barrier", token)
-    collectives.barrier(comm=comm)
+    api.barrier(comm=comm)
 
 
 @_mpi4jax_autodiff
 def bcast(x, root, *, comm=None, token=_NOTSET):
     """root's x on every rank (x sets the shape and dtype elsewhere)."""
     _no_token("bcast", token)
-    return collectives.bcast(x, root, comm=comm)
+    return api.bcast(x, root, comm=comm)
 
 
 @_mpi4jax_autodiff
 def gather(x, root, *, comm=None, token=_NOTSET):
     """On root (size, *x.shape), every rank's x; elsewhere x unchanged."""
     _no_token("gather", token)
-    gathered = collectives.gather(x, root, comm=comm)
+    gathered = api.gather(x, root, comm=comm)
     return gathered if _rank(comm, "gather") == root else x
 
 
@@ -121,7 +121,7 @@ def gather(x, root, *, comm=None, token=_NOTSET):
 def reduce(x, op, root, *, comm=None, token=_NOTSET):
     """On root op over every rank's x; elsewhere x unchanged."""
     _no_token("reduce", token)
-    reduced = collectives.reduce(x, op, root, comm=comm)
+    reduced = api.reduce(x, op, root, comm=comm)
     return reduced if _rank(comm, "reduce") == root else x
 
 
@@ -134,16 +134,16 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
         x = _leading_axis_is_size(x, comm, "scatter", "Scatter")
     else:
         # mpicoll's scatter takes (size, *s) everywhere; only root's content is read.
-        x = collectives._as_array(x, "scatter")
+        x = _validate.as_array(x, "scatter")
         x = jnp.broadcast_to(x, (info.size, *x.shape))
-    return collectives.scatter(x, root, comm=comm)
+    return api.scatter(x, root, comm=comm)
 
 
 @_mpi4jax_autodiff
 def scan(x, op, *, comm=None, token=_NOTSET):
     """Rank r gets op over the x of ranks 0..r."""
     _no_token("scan", token)
-    return collectives.scan(x, op, comm=comm)
+    return api.scan(x, op, comm=comm)
 
 
 @_mpi4jax_autodiff
@@ -172,7 +172,7 @@ def _fill_status(status, dtype, count, source, tag):
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=_NOTSET):
     """A new array shaped like x with the message from source (x is not read)."""
     _no_token("recv", token)
-    x = collectives._as_array(x, "recv")
+    x = _validate.as_array(x, "recv")
     if status is None:
         return p2p.recv(x, source, tag, comm=comm)
     out, received_from, received_tag = p2p.recv(x, source, tag, comm=comm, return_status=True)
@@ -185,7 +185,7 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
              status=None, token=_NOTSET):
     """Send sendbuf to dest and receive an array shaped like recvbuf from source."""
     _no_token("sendrecv", token)
-    recvbuf = collectives._as_array(recvbuf, "sendrecv")
+    recvbuf = _validate.as_array(recvbuf, "sendrecv")
     result = p2p.sendrecv(sendbuf, source, dest, sendtag, recvtag, comm=comm, recv_like=recvbuf,
                           return_status=status is not None)
     if status is None:

@@ -1,6 +1,6 @@
 """Point-to-point: send, recv and sendrecv as ordered primitives.
 
-They are specs of the shared mechanism (collectives._make_primitive), family
+They are specs of the shared mechanism (_primitive.define), family
 "peer": the handler reads [source, dest, send tag, recv tag] from `args`.  They
 carry the same ordered MPI effect as the collectives, so on every rank MPI
 sees them in program order, also under jit and in loops.  That is the whole
@@ -22,11 +22,12 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from mpi4py import MPI
 
-from . import _compat, _dtypes_and_ops, collectives
-from .collectives import Collective, mpi_effect
+from . import _compat, _spec, _types, _validate
+from ._dispatch import bind
+from ._primitive import define, effectful_primitive, mpi_effect, ordered_ffi_call
+from ._spec import Collective
 
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
@@ -35,7 +36,7 @@ TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the same bound on every communic
 
 
 def _rank_arg(value, name, info, caller, any_source=False):
-    value = collectives.static_int(value, name, caller)
+    value = _validate.static_int(value, name, caller)
     if value == PROC_NULL or (any_source and value == ANY_SOURCE) or 0 <= value < info.size:
         return value
     allowed = "mpicoll.PROC_NULL" + (", mpicoll.ANY_SOURCE" if any_source else "")
@@ -44,7 +45,7 @@ def _rank_arg(value, name, info, caller, any_source=False):
 
 
 def _tag_arg(value, name, caller, any_tag=False):
-    value = collectives.static_int(value, name, caller)
+    value = _validate.static_int(value, name, caller)
     if 0 <= value <= TAG_UB or (any_tag and value == ANY_TAG):
         return value
     allowed = " or mpicoll.ANY_TAG" if any_tag else ""
@@ -107,7 +108,7 @@ def _reverse_sendrecv(ct, params):
                                   "ANY_SOURCE (the reverse message needs a definite dest)")
     # The reverse receive takes any tag from the (definite) reverse source.
     reverse = (dest, source, recvtag if recvtag != ANY_TAG else sendtag, ANY_TAG)
-    return collectives._run("sendrecv", ct, params, ffi_args=reverse,
+    return _spec.run("sendrecv", ct, params, ffi_args=reverse,
                             recv_shape=params["send_shape"], send_shape=params["recv_shape"])
 
 
@@ -119,7 +120,7 @@ _NOT_DIFFERENTIABLE = ("send and recv are not differentiable (the receiving rank
                        "tangent input, so tangent messages would not match); use sendrecv, "
                        "whose transpose is the reverse sendrecv")
 
-SEND = collectives.register(Collective(
+SEND = define(Collective(
     "send",
     out_shape=lambda shape, params: (0,),
     transpose=_not_linear,
@@ -129,7 +130,7 @@ SEND = collectives.register(Collective(
     not_differentiable=_NOT_DIFFERENTIABLE,
 ))
 
-RECV = collectives.register(Collective(
+RECV = define(Collective(
     "recv",
     out_shape=lambda shape, params: params["recv_shape"],
     transpose=_not_linear,
@@ -138,7 +139,7 @@ RECV = collectives.register(Collective(
     not_differentiable=_NOT_DIFFERENTIABLE,
 ))
 
-SENDRECV = collectives.register(Collective(
+SENDRECV = define(Collective(
     "sendrecv",
     out_shape=lambda shape, params: params["recv_shape"],
     transpose=_reverse_sendrecv,
@@ -151,21 +152,13 @@ SENDRECV = collectives.register(Collective(
 # ---------------------------------------------------------------------------
 # The status of the last receive on this device: int32 [source, tag].
 
-status_p = Primitive("mpicoll_status")
-status_p.def_impl(lambda: _compat.apply_primitive(status_p))
-status_p.def_effectful_abstract_eval(
-    lambda: (_compat.ShapedArray((2,), np.dtype(np.int32)), {mpi_effect}))
-
-
 def _status_lowering(ctx):
-    token = _compat.token_in(ctx, mpi_effect)
-    token, status = jax.ffi.ffi_lowering("mpicoll_status", has_side_effect=True)(
-        _compat.with_token_avals(ctx), token)
-    _compat.set_token_out(ctx, mpi_effect, token)
-    return [status]
+    return ordered_ffi_call(ctx, "mpicoll_status", numbered=False)  # reads, compares nothing
 
 
-collectives._register_lowerings(status_p, _status_lowering)
+status_p = effectful_primitive(
+    "mpicoll_status",
+    lambda: (_compat.ShapedArray((2,), np.dtype(np.int32)), {mpi_effect}), _status_lowering)
 
 
 def _with_status(out, return_status):
@@ -192,9 +185,9 @@ def _template(template, caller):
         raise TypeError(f"mpicoll.{caller}: the template must have .shape and .dtype (an "
                         f"array or jax.ShapeDtypeStruct), got {type(template).__name__}")
     dtype = np.dtype(dtype)
-    if dtype not in _dtypes_and_ops.DTYPE_FAMILIES:
+    if dtype not in _types.DTYPE_FAMILIES:
         raise TypeError(f"mpicoll.{caller}: the template has unsupported dtype {dtype}; "
-                        f"supported dtypes: {', '.join(map(str, _dtypes_and_ops.DTYPE_FAMILIES))}")
+                        f"supported dtypes: {', '.join(map(str, _types.DTYPE_FAMILIES))}")
     return _shape_arg(shape, caller), dtype
 
 
@@ -203,7 +196,7 @@ def _template(template, caller):
 
 def send(x, dest, tag=0, *, comm=None):
     """Send x to rank dest (MPI_Send), in program order. Returns None."""
-    collectives._bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
+    bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
 
 
 def recv(template, source, tag=0, *, comm=None, return_status=False):
@@ -215,7 +208,7 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
     PROC_NULL returns zeros.
     """
     shape, dtype = _template(template, "recv")
-    out = collectives._bind(RECV, jnp.zeros((0,), dtype), comm=comm,
+    out = bind(RECV, jnp.zeros((0,), dtype), comm=comm,
                             static=(("source", _plain(source)), ("tag", _plain(tag)),
                                     ("shape", shape)))
     return _with_status(out, return_status)
@@ -229,14 +222,14 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
     jax.ShapeDtypeStruct of x's dtype).  return_status=True returns
     (x, source, tag) as for recv.
     """
-    x = collectives._as_array(x, "sendrecv")
+    x = _validate.as_array(x, "sendrecv")
     shape = tuple(x.shape)
     if recv_like is not None:
         shape, dtype = _template(recv_like, "sendrecv")
         if dtype != x.dtype:
             raise TypeError(f"mpicoll.sendrecv: recv_like has dtype {dtype}, but x has "
                             f"{x.dtype}; both sides of a sendrecv move one dtype")
-    out = collectives._bind(SENDRECV, x, comm=comm, static=(
+    out = bind(SENDRECV, x, comm=comm, static=(
         ("source", _plain(source)), ("dest", _plain(dest)), ("sendtag", _plain(sendtag)),
         ("recvtag", _plain(recvtag)), ("shape", shape)))
     return _with_status(out, return_status)

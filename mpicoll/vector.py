@@ -18,8 +18,10 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import collectives
-from .collectives import Collective, _rank
+from . import _types
+from ._dispatch import bind
+from ._primitive import define
+from ._spec import Collective, rank as _rank, run as _run
 
 _INT_MAX = 2**31 - 1
 
@@ -108,7 +110,7 @@ def _batch(x, dim, params):
 def _own_slice(ct, params):
     """Rank r's rows of an allgatherv output (with transpose_sums, of the sum over ranks)."""
     if params["transpose_sums"]:
-        ct = collectives._run("allreduce", ct, params, op=collectives._SUM, ffi_args=())
+        ct = _run("allreduce", ct, params, op=_types.SUM, ffi_args=())
     counts, rank = _counts(params), _rank(params)
     start = sum(counts[:rank])
     return ct[start:start + counts[rank]]
@@ -116,12 +118,12 @@ def _own_slice(ct, params):
 
 def _swap_counts(ct, params):
     args, size = params["ffi_args"], params["size"]
-    return collectives._run("alltoallv", ct, params,
+    return _run("alltoallv", ct, params,
                             ffi_args=(args[0], *args[1 + size:], *args[1:1 + size]))
 
 
 def _spec(name, out_rows, transpose, check, **flags):
-    return collectives.register(Collective(
+    return define(Collective(
         name,
         out_shape=lambda shape, params: (out_rows(params), *shape[1:]),
         transpose=transpose,
@@ -133,7 +135,7 @@ def _spec(name, out_rows, transpose, check, **flags):
 
 # gatherv: root gets every rank's rows in rank order, zeros elsewhere.
 GATHERV = _spec("gatherv", lambda p: sum(_counts(p)),
-                lambda ct, params: collectives._run("scatterv", ct, params),
+                lambda ct, params: _run("scatterv", ct, params),
                 _check_own("gatherv"), has_root=True)
 # allgatherv: every rank gets every rank's rows (one value); the transpose is
 # the rank's own rows, as for allgather.
@@ -141,7 +143,7 @@ ALLGATHERV = _spec("allgatherv", lambda p: sum(_counts(p)), _own_slice,
                    _check_own("allgatherv"), replicates=True)
 # scatterv: rank r gets root's rows of block r (counts[r] rows).
 SCATTERV = _spec("scatterv", lambda p: _counts(p)[_rank(p)],
-                 lambda ct, params: collectives._run("gatherv", ct, params),
+                 lambda ct, params: _run("gatherv", ct, params),
                  _check_scatterv, has_root=True)
 # alltoallv: rank r sends send_counts[j] rows to rank j and receives
 # recv_counts[j] rows from rank j, stored in rank order; the transpose sends
@@ -156,7 +158,7 @@ def gatherv(x, counts, root=0, *, comm=None):
     counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
     Output: (sum(counts), *s) on every rank.
     """
-    return collectives._bind(GATHERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
+    return bind(GATHERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
 def allgatherv(x, counts, *, comm=None):
@@ -165,7 +167,7 @@ def allgatherv(x, counts, *, comm=None):
     counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
     Output: (sum(counts), *s).
     """
-    return collectives._bind(ALLGATHERV, x, comm=comm, static=(("counts", _static(counts)),))
+    return bind(ALLGATHERV, x, comm=comm, static=(("counts", _static(counts)),))
 
 
 def scatterv(x, counts, root=0, *, comm=None):
@@ -174,7 +176,7 @@ def scatterv(x, counts, root=0, *, comm=None):
     x: (sum(counts), *s) on every rank (only root's content is used).
     Output: (counts[r], *s).
     """
-    return collectives._bind(SCATTERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
+    return bind(SCATTERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
 def alltoallv(x, send_counts, recv_counts, *, comm=None):
@@ -185,5 +187,5 @@ def alltoallv(x, send_counts, recv_counts, *, comm=None):
     rank.  Both tuples are this rank's own: send_counts[j] on rank r must equal
     recv_counts[r] on rank j (check mode verifies it).
     """
-    return collectives._bind(ALLTOALLV, x, comm=comm, static=(
+    return bind(ALLTOALLV, x, comm=comm, static=(
         ("send_counts", _static(send_counts)), ("recv_counts", _static(recv_counts))))

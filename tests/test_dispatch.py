@@ -20,7 +20,7 @@ import pytest
 from jax._src.interpreters import pxla
 
 import mpicoll
-from mpicoll import _compat, collectives
+from mpicoll import _compat, _device_order, _primitive
 from conftest import (RANK, SIZE, WORLD, all_ranks_data, assert_in_step, assert_same,
                       run_mpiexec, serial_only)
 
@@ -50,7 +50,7 @@ def python_path_calls(monkeypatch):
 
 
 def test_device_order_is_the_default_on_this_jax():
-    assert collectives.DEVICE_ORDER_AVAILABLE, "JAX's internals changed: device order is off"
+    assert _device_order.DEVICE_ORDER_AVAILABLE, "JAX's internals changed: device order is off"
     assert mpicoll.dispatch_mode() == "device-order"
 
 
@@ -96,10 +96,12 @@ def test_set_dispatch_rejects_unknown_modes_and_returns_the_previous_one():
 def test_hooks_are_not_installed_where_jax_internals_differ(monkeypatch):
     """Feature detection: without the expected lowering function the hooks stay out
     (and programs keep JAX's runtime tokens)."""
-    monkeypatch.setattr(_compat, "_lowering_argument_positions", lambda: None)
-    assert not _compat.DeviceOrderDispatch(collectives.MPIEffect).install()
-    monkeypatch.setattr(_compat._pxla, "_cached_lowering_to_hlo", None)
-    assert not _compat.DeviceOrderDispatch(collectives.MPIEffect).install()
+    hooks = _compat.dispatch_hooks
+    monkeypatch.setattr(hooks, "_lowering_argument_positions", lambda: None)
+    assert not _device_order.DeviceOrderDispatch(_primitive.MPIEffect).install()
+    monkeypatch.undo()
+    monkeypatch.setattr(hooks._pxla, "_cached_lowering_to_hlo", None)
+    assert not _device_order.DeviceOrderDispatch(_primitive.MPIEffect).install()
 
 
 @pytest.mark.parametrize("dispatch", ["device-order", "tokens"], indirect=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll import _native, collectives
+from mpicoll import _native, _primitive
 from conftest import COLLECTIVES, SIZE, call, input_shape
 
 
@@ -56,7 +56,7 @@ def test_barrier_global_ops_and_ordering_lower(platform):
                     reason="this build has cuda handlers (the message is for builds without)")
 def test_cpu_only_build_on_a_gpu_says_how_to_rebuild(monkeypatch):
     # Stand in for a process that has a CUDA backend, with a CPU-only build.
-    monkeypatch.setattr(collectives, "_backend_present", lambda platform: True)
+    monkeypatch.setattr(_primitive, "_backend_present", lambda platform: True)
     with pytest.raises(NotImplementedError, match=r"mpicoll\.allreduce: .*MPICOLL_CUDA=1"):
         lowered_text(mpicoll.allreduce, jnp.ones(3, jnp.float32), platform="cuda")
 

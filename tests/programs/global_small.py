@@ -31,19 +31,19 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
 from report import report_and_exit  # noqa: E402
-from mpicoll import global_collectives  # noqa: E402
+from mpicoll import _ranks_devices, _settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 DEVICES = jax.local_devices()[:LOCAL]
 MESH = Mesh(np.array(DEVICES), ("i",))
-THRESHOLD = int(global_collectives.local_combine_bytes(LOCAL))
+THRESHOLD = int(_ranks_devices.local_combine_bytes(LOCAL))
 failures = []
 
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
-    stray = jax.jit(lambda v: global_collectives.combined_allreduce_p.bind(
+    stray = jax.jit(lambda v: _ranks_devices.combined_allreduce_p.bind(
         v, axis_name="i", local=2, comm=mpicoll.comm.resolve(None, "test").slot, size=SIZE,
         root=0, op=0, transpose_sums=True, checked_ad=False))
     stray(np.ones(3)).block_until_ready()
@@ -98,7 +98,7 @@ def shard_mapped(fn, check_vma):
 
 def composed(trace):
     """trace() with the lax composition at every size (today's path)."""
-    with global_collectives.allreduce_thresholds(combine_bytes=0):
+    with _settings.override(local_combine_bytes=0):
         return trace()
 
 
@@ -137,7 +137,7 @@ for size_name, count in SIZES.items():
 # The composition (combine off: GPUs, mpicoll.overlap()) splits its MPI work
 # over the devices above split_allreduce_bytes(L), which falls as 1 / (L - 1).
 if LOCAL > 1:
-    edge = int(global_collectives.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
+    edge = int(_ranks_devices.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
     for count, splits in ((edge - 1, False), (edge + 3, True)):
         mine = my_data(count, np.float32, 90)
         fn = lambda v: mpicoll.allreduce(v, axis_name="i")  # noqa: E731

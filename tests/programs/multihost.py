@@ -43,7 +43,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll import global_collectives, topology  # noqa: E402
+from mpicoll import _ranks_devices, _settings, topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -203,7 +203,7 @@ def section_global():
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("d",))
     # float32 elements just above the split threshold (odd: the split pads)
-    split = int(global_collectives.split_allreduce_bytes(local)) // 4 + 3
+    split = int(_ranks_devices.split_allreduce_bytes(local)) // 4 + 3
     cases = {
         # the allreduce's three paths; "small" and "split" as with the combine off
         # (GPUs, mpicoll.overlap()), which tracing with LOCAL_COMBINE_BYTES = 0 gives
@@ -227,8 +227,7 @@ def section_global():
         mine = np.stack([rank_input(shape, dtype, RANK * local + k, "sum") for k in range(local)])
         combine_off = name in ("allreduce-sum-small", "allreduce-sum-split")
         for how in ("pmap", "shard_map"):
-            with global_collectives.allreduce_thresholds(combine_bytes=0 if combine_off
-                                                         else None):
+            with _settings.override(local_combine_bytes=0 if combine_off else None):
                 if how == "pmap":
                     out = jax.pmap(fn, axis_name="d", devices=devices)(mine)
                 else:

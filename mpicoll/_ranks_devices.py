@@ -1,4 +1,4 @@
-"""Global collectives over every device of every process (ranks x local devices).
+"""Collectives over every device of every process: ranks x local devices.
 
 Inside pmap or shard_map over the L local devices of each of `size` ranks,
 `axis_name` names the local device axis.  The global op spans all size*L
@@ -7,7 +7,7 @@ Each is composed of a lax collective over the local devices and an mpicoll
 per-device collective across ranks (device k of every rank talks on its own
 communicator, all devices in parallel):
 
-  allreduce  combine (CPU, up to LOCAL_COMBINE_BYTES): the device threads combine
+  allreduce  combine (CPU, up to local_combine_bytes(L)): the device threads combine
              their data in mpicoll's handler, one MPI allreduce for all of them.
              Otherwise (GPU, mpicoll.overlap(), larger arrays), by size:
              small: psum over devices, then MPI allreduce on every device.
@@ -27,19 +27,17 @@ is the composition's), and the MPI pieces are told
 shard_map(check_vma=False)) or taken once (shard_map with check_vma).
 """
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
 
-from . import _compat, _dtypes_and_ops, collectives, comm as comm_layer, overlap
+from . import _blocks, _compat, _settings, _types, _typing, _validate, comm as comm_layer, overlap
+from ._dispatch import bind
+from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 
-_SUM = _dtypes_and_ops.OP_CODES["sum"]
-_OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
+_SUM = _types.SUM
 
 # Above split_allreduce_bytes(L) per device, allreduce splits the MPI work over
 # the L devices (reduce-scatter / allreduce / all-gather) instead of every device
@@ -52,8 +50,7 @@ _OP_NAMES = {code: name for name, code in _dtypes_and_ops.OP_CODES.items()}
 # 1.11-1.41x faster than small at 64 KiB there, and the cost model
 # (benchmarks/allreduce_model.py, README "Many hosts") puts the crossover at
 # 4-19 KiB for 1,000 nodes x 8 devices.  256 KiB at 2 devices, 85 KiB at 4,
-# 37 KiB at 8.
-SPLIT_ALLREDUCE_BYTES = 256 * 1024
+# 37 KiB at 8.  (The value at 2 devices: _settings, MPICOLL_SPLIT_ALLREDUCE_BYTES.)
 
 
 def _scaled_to(local, bytes_at_two_devices):
@@ -63,30 +60,7 @@ def _scaled_to(local, bytes_at_two_devices):
 
 def split_allreduce_bytes(local):
     """Bytes per device above which the allreduce over `local` devices splits its MPI work."""
-    return _scaled_to(local, SPLIT_ALLREDUCE_BYTES)
-
-
-@contextlib.contextmanager
-def allreduce_thresholds(combine_bytes=None, split_bytes=None):
-    """Within: allreduces traced use these LOCAL_COMBINE_BYTES / SPLIT_ALLREDUCE_BYTES
-    (None keeps one; 0 or inf forces a path), for measurements and tests."""
-    global LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES
-    saved = LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES
-    if combine_bytes is not None:
-        LOCAL_COMBINE_BYTES = combine_bytes
-    if split_bytes is not None:
-        SPLIT_ALLREDUCE_BYTES = split_bytes
-    try:
-        yield
-    finally:
-        LOCAL_COMBINE_BYTES, SPLIT_ALLREDUCE_BYTES = saved
-
-
-_COMBINE = {
-    "sum": jnp.add, "prod": jnp.multiply, "min": jnp.minimum, "max": jnp.maximum,
-    "land": jnp.logical_and, "lor": jnp.logical_or, "lxor": jnp.logical_xor,
-    "band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor,
-}
+    return _scaled_to(local, _settings.current().split_allreduce_bytes)
 
 
 def _local_axis_size(axis_name, caller):
@@ -98,9 +72,9 @@ def _local_axis_size(axis_name, caller):
 
 
 def allreduce(x, op, comm, axis_name):
-    x = collectives._as_array(x, "allreduce")
-    name = _dtypes_and_ops.op_name(op, "allreduce")
-    _dtypes_and_ops.op_code(name, x.dtype, "allreduce")
+    x = _validate.as_array(x, "allreduce")
+    name = _types.op_name(op, "allreduce")
+    _types.op_code(name, x.dtype, "allreduce")
     info = comm_layer.resolve(comm, "allreduce")
     local = _local_axis_size(axis_name, "allreduce")
     if _combines_in_handler(x, local):
@@ -113,11 +87,11 @@ def _composed_allreduce(x, name, comm, axis_name):
     local = lax.axis_size(axis_name)
     vma = _compat.check_vma_enabled()
     # psum's transpose is psum under pmap, and pvary (identity) with check_vma.
-    per_rank = functools.partial(collectives._bind, collectives.ALLREDUCE, op=name, comm=comm,
+    per_rank = functools.partial(bind, _blocks.ALLREDUCE, op=name, comm=comm,
                                  transpose_sums=not vma)
     if name != "sum":
         gathered = lax.all_gather(x, axis_name)
-        combined = functools.reduce(_COMBINE[name], [gathered[k] for k in range(local)])
+        combined = functools.reduce(_types.elementwise(name), [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
     if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
         return per_rank(lax.psum(x, axis_name))
@@ -158,12 +132,12 @@ def _composed_allreduce(x, name, comm, axis_name):
 # 1.21-1.24x at 1 MiB; the cost model puts the crossover at 437 KiB for 4
 # devices and 130 KiB for 8.  So the threshold, like the split's, falls as
 # 1 / (L - 1): 1 MiB at 2 devices, 341 KiB at 4, 146 KiB at 8.
-LOCAL_COMBINE_BYTES = 1024 * 1024
+# (The value at 2 devices, 1 MiB: _settings, MPICOLL_LOCAL_COMBINE_BYTES.)
 
 
 def local_combine_bytes(local):
     """Bytes per device up to which the allreduce over `local` devices combines in the handler."""
-    return _scaled_to(local, LOCAL_COMBINE_BYTES)
+    return _scaled_to(local, _settings.current().local_combine_bytes)
 
 
 def _combines_in_handler(x, local):
@@ -173,15 +147,12 @@ def _combines_in_handler(x, local):
 
 def _combined_allreduce(x, name, info, axis_name):
     params = dict(comm=info.slot, size=info.size, root=0,
-                  op=_dtypes_and_ops.op_code(name, x.dtype, "allreduce"),
+                  op=_types.op_code(name, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
-                  checked_ad=collectives._autodiff_checked())
-    x, params = collectives._typed_input(x), collectives._typed_params(params)
+                  checked_ad=_typing.autodiff_checked())
+    x, params = _typing.typed_input(x), _typing.typed_params(params)
     return combined_allreduce_p.bind(x, axis_name=axis_name, local=lax.axis_size(axis_name),
                                      **params)
-
-
-combined_allreduce_p = Primitive("mpicoll_allreduce_local")
 
 
 def _combined_abstract_eval(x, *, axis_name, local, op, **params):
@@ -191,27 +162,26 @@ def _combined_abstract_eval(x, *, axis_name, local, op, **params):
         varying = _compat.varying_axes(x)
         x = _compat.with_varying_axes(
             x, varying - {axis_name} if op == _SUM else varying | {axis_name})
-    return (collectives._typed_output(collectives.ALLREDUCE, x, x.shape, params),
-            {collectives.mpi_effect})
+    return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape, params), {mpi_effect}
 
 
 def _combined_lowering(ctx, x, *, comm, op, local, **params):
-    token = _compat.token_in(ctx, collectives.mpi_effect)
     # In place: a dead or donated x (a loop carry) is the output buffer.
-    call = jax.ffi.ffi_lowering(combined_allreduce_p.name, has_side_effect=True,
-                                operand_output_aliases={1: 1})
-    token, out = call(_compat.with_token_avals(ctx), token, x, comm=np.int64(comm),
-                      op=np.int64(op), site=np.int64(next(collectives._call_sites)),
-                      local=np.int64(local))
-    _compat.set_token_out(ctx, collectives.mpi_effect, token)
-    return [out]
+    return ordered_ffi_call(ctx, "mpicoll_allreduce_local", x, aliases={1: 1}, comm=comm,
+                            op=op, local=local)
 
 
 def _combined_elsewhere(ctx, x, **params):
     raise NotImplementedError(
-        "mpicoll.allreduce: the global allreduce of small arrays combines the local devices "
-        "on the host (CPU only); this program runs on another platform. Trace it with "
-        "mpicoll.global_collectives.LOCAL_COMBINE_BYTES = 0 to use XLA's collectives there")
+        "mpicoll.allreduce: the ranks x devices allreduce of small arrays combines the local "
+        "devices on the host (CPU only); this program runs on another platform. Trace it "
+        "inside mpicoll._settings.override(local_combine_bytes=0) (or set "
+        "MPICOLL_LOCAL_COMBINE_BYTES=0) to use XLA's collectives there")
+
+
+combined_allreduce_p = effectful_primitive(
+    "mpicoll_allreduce_local", _combined_abstract_eval, _combined_lowering,
+    lowerings={"cuda": _combined_elsewhere})
 
 
 def _combined_batch(args, dims, **params):
@@ -225,27 +195,22 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
     y = combined_allreduce_p.bind(x, axis_name=axis_name, comm=comm, op=op, **params)
     if type(t) is _compat.Zero:
         return y, _compat.zero_tangent(jax.typeof(y))
-    composed = functools.partial(_composed_allreduce, name=_OP_NAMES[op],
+    composed = functools.partial(_composed_allreduce, name=_types.OP_NAMES[op],
                                  comm=comm_layer.info_for_slot(comm), axis_name=axis_name)
     if op == _SUM:  # linear
         return y, composed(t)
     return y, jax.jvp(composed, (x,), (t,))[1]
 
 
-combined_allreduce_p.def_impl(
-    lambda *args, **params: _compat.apply_primitive(combined_allreduce_p, *args, **params))
-combined_allreduce_p.def_effectful_abstract_eval(_combined_abstract_eval)
-_compat.register_call_site_lowering(combined_allreduce_p, _combined_lowering, platform="cpu")
-_compat.register_call_site_lowering(combined_allreduce_p, _combined_elsewhere, platform="cuda")
 _compat.register_batching(combined_allreduce_p, _combined_batch)
 _compat.register_jvp(combined_allreduce_p, _combined_jvp)
 
 
 def allgather(x, comm, axis_name):
-    x = collectives._as_array(x, "allgather")
+    x = _validate.as_array(x, "allgather")
     local = _local_axis_size(axis_name, "allgather")
     # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
-    across_ranks = collectives._bind(collectives.ALLGATHER, x, comm=comm, transpose_sums=True)
+    across_ranks = bind(_blocks.ALLGATHER, x, comm=comm, transpose_sums=True)
     everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
     size = across_ranks.shape[0]
     return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
@@ -261,35 +226,35 @@ def _participant_blocks(x, info, local, caller):
 
 
 def alltoall(x, comm, axis_name):
-    x = collectives._as_array(x, "alltoall")
+    x = _validate.as_array(x, "alltoall")
     info = comm_layer.resolve(comm, "alltoall")
     local = _local_axis_size(axis_name, "alltoall")
     blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
     # Device k' receives, from every local device k, the rows meant for devices k'.
     blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)  # [dest rank, src device]
-    blocks = collectives._bind(collectives.ALLTOALL, blocks, comm=comm)  # [src rank, src device]
+    blocks = bind(_blocks.ALLTOALL, blocks, comm=comm)  # [src rank, src device]
     return blocks.reshape(x.shape)
 
 
 def bcast(x, root, comm, axis_name):
-    x = collectives._as_array(x, "bcast")
+    x = _validate.as_array(x, "bcast")
     info = comm_layer.resolve(comm, "bcast")
     local = _local_axis_size(axis_name, "bcast")
-    root = collectives._check_root(
+    root = _validate.check_root(
         root, info.size * local, "bcast",
         among=f"{info.size} rank(s) x {local} local device(s) = {info.size * local} participants")
     root_rank, root_device = divmod(root, local)
     vma = _compat.check_vma_enabled()
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
-    return collectives._bind(collectives.BCAST, on_rank.astype(x.dtype), comm=comm,
+    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=comm,
                              root=root_rank, transpose_sums=not vma)
 
 
 def reduce_scatter(x, op, comm, axis_name):
-    x = collectives._as_array(x, "reduce_scatter")
-    name = _dtypes_and_ops.op_name(op, "reduce_scatter")
-    _dtypes_and_ops.op_code(name, x.dtype, "reduce_scatter")
+    x = _validate.as_array(x, "reduce_scatter")
+    name = _types.op_name(op, "reduce_scatter")
+    _types.op_code(name, x.dtype, "reduce_scatter")
     info = comm_layer.resolve(comm, "reduce_scatter")
     local = _local_axis_size(axis_name, "reduce_scatter")
     blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
@@ -299,8 +264,8 @@ def reduce_scatter(x, op, comm, axis_name):
     else:
         everything = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
         # [dest rank, source device]: combine over the local source devices
-        mine = functools.reduce(_COMBINE[name], [everything[:, k] for k in range(local)])
+        mine = functools.reduce(_types.elementwise(name), [everything[:, k] for k in range(local)])
         mine = mine.astype(x.dtype)
     vma = _compat.check_vma_enabled()
-    return collectives._bind(collectives.REDUCE_SCATTER, mine, op=name, comm=comm,
+    return bind(_blocks.REDUCE_SCATTER, mine, op=name, comm=comm,
                              transpose_sums=not vma)

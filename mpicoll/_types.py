@@ -2,7 +2,8 @@
 
 The C++ side maps each dtype to its MPI datatype and each op code to its MPI_Op
 (float16/bfloat16 reductions use native user-defined operators, since MPI has
-no 16-bit float types); the op codes themselves come from the extension.
+no 16-bit float types); the ops, their codes and valid dtype families come from
+the extension's table.
 """
 
 import ml_dtypes  # installed with jaxlib; gives numpy its bfloat16
@@ -25,28 +26,39 @@ DTYPE_FAMILIES = {
     **{np.dtype(t): COMPLEX for t in (np.complex64, np.complex128)},
 }
 
-# Reduction op name -> the dtype families it is defined for.
-OP_FAMILIES = {
-    "sum": (INTEGER, FLOATING, COMPLEX),
-    "prod": (INTEGER, FLOATING, COMPLEX),
-    "min": (BOOL, INTEGER, FLOATING),
-    "max": (BOOL, INTEGER, FLOATING),
-    "land": (BOOL, INTEGER),
-    "lor": (BOOL, INTEGER),
-    "lxor": (BOOL, INTEGER),
-    "band": (BOOL, INTEGER),
-    "bor": (BOOL, INTEGER),
-    "bxor": (BOOL, INTEGER),
+# TEMP-SHIM until the extension has reduction_ops()
+if not hasattr(extension, "reduction_ops"):
+    class extension:  # noqa
+        _c = __import__("mpicoll._native", fromlist=["x"]).extension.op_codes()
+        _f = {"sum": ("integer", "floating", "complex"), "prod": ("integer", "floating", "complex"), "min": ("bool", "integer", "floating"), "max": ("bool", "integer", "floating")}
+        reduction_ops = staticmethod(lambda: {n: (c, extension._f.get(n, ("bool", "integer"))) for n, c in extension._c.items()})
+# The reduction ops, their codes and the dtype families each is defined for,
+# from the extension's table (csrc/reduce_ops.def): the one list of them.
+_REDUCTION_OPS = dict(sorted(extension.reduction_ops().items(), key=lambda item: item[1][0]))
+OP_CODES = {name: code for name, (code, _) in _REDUCTION_OPS.items()}
+OP_FAMILIES = {name: tuple(families) for name, (_, families) in _REDUCTION_OPS.items()}
+OP_NAMES = {code: name for name, code in OP_CODES.items()}
+SUM = OP_CODES["sum"]
+assert all(set(families) <= {BOOL, INTEGER, FLOATING, COMPLEX}
+           for families in OP_FAMILIES.values()), "the extension names an unknown dtype family"
+
+# mpi4py's predefined op for each (MPI.SUM for "sum", ...).
+_MPI4PY_OPS = tuple((getattr(MPI, name.upper()), name) for name in OP_FAMILIES)
+
+# The same reductions as elementwise jax.numpy functions, for combining on a
+# device (the ranks x devices compositions).
+_ELEMENTWISE = {
+    "sum": "add", "prod": "multiply", "min": "minimum", "max": "maximum",
+    "land": "logical_and", "lor": "logical_or", "lxor": "logical_xor",
+    "band": "bitwise_and", "bor": "bitwise_or", "bxor": "bitwise_xor",
 }
+assert set(_ELEMENTWISE) == set(OP_FAMILIES), "a reduction op without an elementwise form"
 
-OP_CODES = extension.op_codes()
-assert set(OP_CODES) == set(OP_FAMILIES), "extension and Python disagree on the ops"
 
-_MPI4PY_OPS = (
-    (MPI.SUM, "sum"), (MPI.PROD, "prod"), (MPI.MIN, "min"), (MPI.MAX, "max"),
-    (MPI.LAND, "land"), (MPI.LOR, "lor"), (MPI.LXOR, "lxor"),
-    (MPI.BAND, "band"), (MPI.BOR, "bor"), (MPI.BXOR, "bxor"),
-)
+def elementwise(name):
+    """The jax.numpy function that combines two operands like reduction op `name`."""
+    import jax.numpy as jnp
+    return getattr(jnp, _ELEMENTWISE[name])
 
 
 # Every op object mpi4py predefines (MAXLOC, REPLACE, OP_NULL, ...), by name:

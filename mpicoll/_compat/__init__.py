@@ -1,0 +1,24 @@
+"""Every private JAX API mpicoll uses, in one package.
+
+JAX's internals move between releases; when one of these breaks, this package
+is the only place to change.  Each helper states what it needs from JAX.
+
+  core            effects, ordering tokens, lowering registration, eager evaluation
+  transforms      vmap, JVP and transpose rule tables
+  mesh            manual mesh axes: varying types, JAX's pvary, lax collectives
+  dispatch_hooks  runtime tokens and program lowering (the device-order dispatch)
+"""
+
+from .core import (  # noqa: F401
+    JAX_VERSION, Effect, ShapedArray, abstract_token, apply_primitive, aval_with_shape,
+    at_top_level, create_token, register_call_site_lowering, register_lowering,
+    register_ordered_effect, reset_effect_tokens, set_token_out, token_in, with_token_avals)
+from .transforms import (  # noqa: F401
+    Zero, is_undefined_primal, register_batching, register_jvp, register_transpose,
+    transpose_rule, zero_tangent)
+from .mesh import (  # noqa: F401
+    all_gather_invariant, axis_in_manual_mesh, check_vma_enabled, devices_running_this_trace,
+    refuse_lax_collectives_over, route_pvary_transpose, varying_axes, with_varying_axes)
+from . import dispatch_hooks  # noqa: F401
+from .dispatch_hooks import (  # noqa: F401
+    complete_dispatches_with, install_runtime_token_fast_path, runtime_token_methods)

@@ -1,0 +1,116 @@
+"""Manual mesh axes (pmap / shard_map): varying types, JAX's pvary, and lax collectives."""
+
+import jax
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import mesh as _mesh
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import mlir as _mlir
+from jax._src.lax import parallel as _parallel
+
+from .transforms import Zero, zero_tangent
+
+
+def check_vma_enabled():
+    """True inside shard_map(check_vma=True): values are typed invariant/varying over axes.
+
+    pmap traces as shard_map(check_vma=False), where psum transposes to psum.
+    """
+    return bool(_config._check_vma.value)
+
+
+def axis_in_manual_mesh(name):
+    """True where `name` is a manual mesh axis of the trace and values are typed
+    invariant/varying (shard_map with check_vma=True)."""
+    return check_vma_enabled() and name in getattr(_mesh.get_abstract_mesh(), "manual_axes", ())
+
+
+def varying_axes(aval):
+    """The manual mesh axes over which a value varies (its `vma`)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def with_varying_axes(aval, axes):
+    """aval typed as varying over exactly `axes`."""
+    axes = frozenset(axes)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=axes))
+    return aval.update(vma=axes)
+
+
+def route_pvary_transpose(axis, transpose_over_axis):
+    """Make the transpose of JAX's own pvary over `axis` call transpose_over_axis.
+
+    JAX inserts pvary where an invariant value meets a varying one (a replicated
+    parameter times per-device data) and transposes it to psum over the mesh
+    axes, which XLA runs among the local devices.  For mpicoll's ranks axis the
+    sum is over MPI ranks instead: transpose_over_axis(ct) does that part and
+    JAX's rule the other axes.  Other pvary axes are untouched.
+    """
+    pvary = getattr(_core, "pvary_p", None)
+    original = _ad.primitive_transposes.get(pvary)
+    if original is None or getattr(original, "_mpicoll_routed", None) == axis:
+        return
+
+    def transpose(ct, x, *, axes):
+        if axis not in axes:
+            return original(ct, x, axes=axes)
+        if type(ct) is Zero:
+            return [zero_tangent(x.aval)]
+        rest = tuple(a for a in axes if a != axis)
+        ct = transpose_over_axis(ct)
+        return original(ct, x, axes=rest) if rest else [ct]
+
+    transpose._mpicoll_routed = axis
+    _ad.primitive_transposes[pvary] = transpose
+
+
+def refuse_lax_collectives_over(axis, message):
+    """Make JAX's own collectives (psum, all_gather, ppermute, axis_index, ...)
+    over `axis` raise message.format(name=...) when lowered.
+
+    XLA would run them among this process's devices only, where mpicoll's
+    ranks axis (size 1 locally) stands for every MPI rank: a silent no-op.
+    The lowering rules of lax.parallel's primitives are wrapped; a call over
+    other axes goes to JAX's rule unchanged.
+    """
+    primitives = [value for value in vars(_parallel).values()
+                  if isinstance(value, _core.Primitive)]
+    tables = [(None, _mlir._lowerings)] + list(_mlir._platform_specific_lowerings.items())
+    for platform, table in tables:
+        for primitive in primitives:
+            entry = table.get(primitive)
+            if entry is None or getattr(entry.rule, "_mpicoll_refuses", None) == axis:
+                continue
+
+            def lowering(ctx, *args, original=entry.rule, name=primitive.name, **params):
+                axes = params.get("axes", params.get("axis_name", ()))
+                if axis == axes or (isinstance(axes, (tuple, list)) and axis in axes):
+                    raise ValueError(message.format(name=name))
+                return original(ctx, *args, **params)
+
+            lowering._mpicoll_refuses = axis
+            _mlir.register_lowering(primitive, lowering, platform=platform,
+                                    inline=getattr(entry, "inline", True))
+
+
+def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
+    """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
+    legacy = getattr(_parallel, "all_gather_invariant", None)  # up to jax 0.11
+    if legacy is not None:
+        return legacy(x, axis_name, axis=axis, tiled=tiled)
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+
+
+
+
+def devices_running_this_trace():
+    """How many devices will run the program being traced: inside pmap/shard_map
+    the product of the manual mesh axes, else 1 (vmap axes are not devices)."""
+    mesh = _mesh.get_abstract_mesh()
+    count = 1
+    for name in getattr(mesh, "manual_axes", ()):
+        count *= mesh.shape[name]
+    return count

@@ -1,0 +1,213 @@
+"""How a jitted program's MPI calls are ordered after the previous program's (README, "Dispatch").
+
+"device-order": a program on one CPU device is lowered with its MPI ordering
+token created inside it, so that JAX dispatches it on its C++ fast path and
+XLA's per-device queue keeps program order.  "tokens": JAX's runtime tokens
+thread the order from program to program (JAX's Python dispatch path), as every
+program on GPU and the serialized mode use.  The serialized mode needs each
+dispatch to wait for its program, which only the runtime tokens let mpicoll do,
+so it keeps "tokens".  Where JAX's internals are not as expected the hooks
+(_compat.dispatch_hooks) are not installed and "tokens" is the only mode
+(dispatch_mode() says so).
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from . import _compat, _native, _settings
+from ._compat import dispatch_hooks
+from ._primitive import MPIEffect
+
+
+class DeviceOrderDispatch:
+    """Programs on one CPU device order their MPI calls by the device's queue, not by
+    JAX's runtime tokens, so that JAX dispatches them on its C++ fast path.
+
+    Why it is safe: XLA's CPU client runs the single-device executions of one device
+    in the order they were enqueued (each waits for the device's last enqueued
+    execution), and every program's custom calls run in program order (JAX still
+    threads the effect's token through the program; the token now starts inside
+    the module instead of coming from the previous program).  Programs on several
+    devices (pmap, shard_map) keep runtime tokens; they only wait for earlier
+    multi-device programs, so a fence orders them against single-device ones in
+    both directions (fence_multi_device_token, fence_after_multi_device_token).
+
+    `active` is read when a program is lowered (a compiled program keeps the way
+    it was lowered) and when a multi-device program is dispatched.
+    """
+
+    def __init__(self, effect_type):
+        self.effect_type = effect_type
+        self.active = False
+        self.installed = False
+        self._in_module = dispatch_hooks.InModuleToken(effect_type)
+        self._fence = None
+
+    def _applies(self, closed_jaxpr, num_devices, platforms):
+        return (self.active and num_devices == 1 and tuple(platforms) == ("cpu",)
+                and any(isinstance(e, self.effect_type) for e in closed_jaxpr.effects))
+
+    def _rewrite(self, closed_jaxpr, num_devices, platforms):
+        if self._applies(closed_jaxpr, num_devices, platforms):
+            return self._in_module.form(closed_jaxpr)
+        return None
+
+    def install(self):
+        """Hook JAX's lowering and runtime tokens; False (nothing changed) where JAX's
+        internals are not as expected."""
+        if self.installed:
+            return True
+        if not (dispatch_hooks.InModuleToken.available()
+                and dispatch_hooks.runtime_token_hooks_available()
+                and dispatch_hooks.outside_meshes_available()):
+            return False
+        if not dispatch_hooks.hook_program_lowering(self._rewrite):
+            return False
+        dispatch_hooks.hook_runtime_tokens(self._token_input, self._after_token_result,
+                                           self._before_barrier)
+        self.installed = True
+        return True
+
+    def _mine(self, eff):
+        return self.active and isinstance(eff, self.effect_type)
+
+    def _token_input(self, eff, devices, token):
+        if self._mine(eff) and len(devices) > 1:
+            return self.fence_multi_device_token(token)
+        return token
+
+    def _after_token_result(self, eff, token):
+        if self._mine(eff):
+            self.fence_after_multi_device_token(token)
+
+    def _before_barrier(self):
+        # jax.effects_barrier(): programs without runtime tokens are done too.
+        if self.active:
+            self.wait_for_cpu_devices()
+
+    def _fence_on(self, shard):
+        """A single-device execution on shard's device that reads shard: it runs after
+        the device's earlier executions and after shard is ready, and later
+        single-device executions there wait for it."""
+        if self._fence is None:
+            self._fence = jax.jit(lambda t: t | t)
+        # A multi-device program may be dispatched inside shard_map's mesh, which
+        # jit would check the fence's one device against; and effects_barrier()
+        # may be called while a function is traced (a rejected call compares
+        # notes first), where the fence must still run, not be traced.
+        with dispatch_hooks.outside_meshes():
+            return self._fence(shard)
+
+    @staticmethod
+    def _on_cpu_devices(array):
+        """A token over several CPU devices (GPU programs keep JAX's tokens alone)."""
+        devices = array.sharding.device_set
+        return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+    def fence_multi_device_token(self, token):
+        """The token input of a multi-device program, ready only once every single-device
+        program enqueued before it on its devices has run."""
+        array = dispatch_hooks.token_array(token)
+        if array is None or not self._on_cpu_devices(array):
+            return token
+        return dispatch_hooks.token_from_shards(
+            token, [self._fence_on(s.data) for s in array.addressable_shards])
+
+    def fence_after_multi_device_token(self, token):
+        """After a multi-device program: on each of its devices, an execution that waits
+        for its token, so that later single-device programs wait for it too."""
+        array = dispatch_hooks.token_array(token)
+        if array is None or not self._on_cpu_devices(array):
+            return
+        for shard in array.addressable_shards:
+            self._fence_on(shard.data)
+
+    def wait_for_cpu_devices(self):
+        """Wait until every program enqueued so far on this process's CPU devices has run."""
+        try:
+            devices = jax.local_devices(backend="cpu")
+        except RuntimeError:  # no CPU backend
+            return
+        with jax.ensure_compile_time_eval():  # also when called while tracing
+            fences = [self._fence_on(jax.device_put(np.zeros(0, bool), device))
+                      for device in devices]
+        for fence in fences:
+            fence.block_until_ready()
+
+    def lowers_in_module(self, closed_jaxpr, num_devices=1, platforms=("cpu",)):
+        """For tests: whether a program would be lowered with its token inside."""
+        return self._applies(closed_jaxpr, num_devices, platforms)
+
+
+# In "tokens" mode a jitted function with a collective dispatches on JAX's
+# Python path, which threads the effect's runtime token from program to
+# program; this skips JAX's resharding of that token where it is already on
+# the program's one device.
+RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
+# Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
+# its dispatch returns, so none is in flight while Python (and mpi4py) runs.
+# Eager calls complete before returning anyway (_dispatch.bind).
+if _native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
+    raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
+                      f"program, which this JAX ({jax.__version__}) does not let it do; use "
+                      "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
+
+DISPATCH_MODES = ("device-order", "tokens")
+_device_order = DeviceOrderDispatch(MPIEffect)
+DEVICE_ORDER_AVAILABLE = not _native.SERIALIZED and _device_order.install()
+
+
+def set_dispatch(mode):
+    """How programs traced after this call are ordered across dispatches; returns the previous mode.
+
+    "device-order" (the default): programs on one CPU device carry no runtime
+    token and are ordered by the device's execution queue.  "tokens": JAX's
+    runtime tokens, as every program on GPU and the serialized mode use.  A
+    compiled program keeps the mode it was lowered with.
+    """
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"mpicoll.set_dispatch: mode must be one of {DISPATCH_MODES}, "
+                         f"got {mode!r}")
+    if mode == "device-order" and not DEVICE_ORDER_AVAILABLE:
+        raise ValueError(
+            "mpicoll.set_dispatch: 'device-order' is not available "
+            + ("at MPI_THREAD_SERIALIZED, where each dispatch waits for its program"
+               if _native.SERIALIZED else
+               f"with this JAX ({jax.__version__}), whose internals mpicoll does not "
+               "recognize; programs keep JAX's runtime tokens"))
+    previous = dispatch_mode()
+    _device_order.active = mode == "device-order"
+    return previous
+
+
+def dispatch_mode():
+    """The current dispatch mode: "device-order" or "tokens"."""
+    return "device-order" if _device_order.active else "tokens"
+
+
+def set_dispatch_from_settings(settings):
+    """MPICOLL_DISPATCH, or (default) device-order where it is available, else tokens."""
+    set_dispatch(settings.dispatch if settings.dispatch != "default" else
+                 ("device-order" if DEVICE_ORDER_AVAILABLE else "tokens"))
+
+
+def after_pending_programs():
+    """Before an eager call: the jitted collectives still pending come earlier in order.
+
+    In device-order mode on a CPU-only process the eager program joins the same
+    device queue behind them (and behind the fence of any multi-device
+    program), so nothing needs to wait; GPU programs and the tokens mode order
+    by runtime tokens, so wait for them (effects_barrier).
+    """
+    if not (_device_order.active and _cpu_only_process()):
+        jax.effects_barrier()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_only_process():
+    return jax.default_backend() == "cpu"  # no accelerator: every array is on a CPU device
+
+
+set_dispatch_from_settings(_settings.current())

@@ -1,0 +1,174 @@
+"""From a call to its primitive: validation agreed across ranks, eager calls, pytree fusion.
+
+`bind` is the one entry of every collective of one array: it resolves the
+communicator once, validates identically on every rank, then either runs the
+call eagerly (a concrete array outside any trace: a cached one-call program,
+completed before returning) or binds the primitive into the trace.
+`collective` adds pytrees: small leaves of one dtype travel fused in one MPI
+message.
+"""
+
+import functools
+
+import jax
+
+from . import _compat, _spec, _types, _typing, _validate, comm as comm_layer, overlap
+from ._device_order import after_pending_programs
+
+
+def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
+         static=(), overlapped=None):
+    """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
+
+    comm: an mpi4py communicator, None (the default) or an already resolved
+    comm.CommInfo.  ordered=False only for a program that runs synchronously
+    with a single MPI call in it (see collective), where no token is needed to
+    order it.  overlapped: run on the progress thread (overlap.py); None: as
+    mpicoll.overlap() says now.  Eager calls are synchronous whatever it says.
+    Point-to-point rejections are not compared across the communicator: only
+    two of its ranks take part in a message.
+    """
+    agree = _validate.agreed if spec.family != "peer" else _validate.alone
+    if _compat.at_top_level():
+        program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
+                           transpose_sums, static)
+        after_pending_programs()
+        return program(x).block_until_ready()
+    info = comm_layer.resolve(comm, spec.name)
+    x, params = agree(info, spec.name, _validate.validated_params, spec, x, info, root, op,
+                      transpose_sums, static)
+    x, params = _typing.typed_input(x), _typing.typed_params(params)
+    if overlap.active() if overlapped is None else overlapped:
+        params["overlapped"] = True
+    return _spec.PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
+
+
+# Eager calls: one compiled program per (collective, communicator slot, root, op,
+# dtype, shape), looked up by the arguments as given, so a repeated call skips
+# validation (the key's parts are exactly what the checks depend on).  An
+# explicit communicator is still resolved on every call: that is what notices
+# it was freed, and a re-registered communicator gets a new slot.
+_EAGER_PROGRAMS = {}
+
+
+def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
+    """The program for a call outside any trace (cached), and x as an array.
+
+    The caller runs it synchronously: completing the call before returning
+    keeps MPI order across eager calls without JAX's ordered-effect tokens, so
+    JAX's C++ dispatch fast path applies (microseconds instead of the Python
+    path).  Jitted work that is still pending runs first
+    (after_pending_programs), so it cannot be overtaken.
+    """
+    info = None if comm is None else comm_layer.resolve(comm, spec.name)
+    x = _validate.as_array(x, spec.name)  # numpy arrays and scalars run the same program
+    cacheable = type(root) is int and (op is None or type(op) is str)
+    key = ((spec.name, info and info.slot, root, op, transpose_sums, x.dtype, x.shape, static)
+           if cacheable else None)
+    program = _EAGER_PROGRAMS.get(key)
+    if program is None:
+        info = info or comm_layer.resolve(None, spec.name)
+        x, params = _validate.validated_params(spec, x, info, root, op, transpose_sums, static)
+        program = _eager_program(spec.name, tuple(params.items()))
+        if cacheable:
+            _EAGER_PROGRAMS[key] = program
+    return program, x
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_program(name, params):
+    primitive = _spec.PRIMITIVES[name]
+    return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False, alias=False))
+
+
+# ---------------------------------------------------------------------------
+# Pytrees: small leaves of one dtype travel fused in one MPI message (tensor
+# fusion), in buckets of at most FUSION_BYTES; a leaf above FUSION_LEAF_BYTES
+# goes alone, zero-copy.  Measured in a jitted loop, 2 ranks, 16 float32
+# leaves: fused / one call per leaf = 1/2.5 at 4 KiB, 1/3.6 at 16 KiB, 1/1.8
+# at 64 KiB, 1/1.2 at 256 KiB, but 1.5 at 1 MiB, where packing costs more
+# than the calls it saves.  The result keeps the tree's structure.
+
+FUSION_BYTES = 4 * 1024 * 1024
+FUSION_LEAF_BYTES = 256 * 1024
+
+
+def collective(spec, x, **kwargs):
+    """One array -> bind; a pytree -> validated leaves fused per dtype, one call per bucket."""
+    if isinstance(x, jax.Array):  # the common case, without flattening
+        return bind(spec, x, **kwargs)
+    leaves, treedef = jax.tree.flatten(x)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a single array or scalar
+        return bind(spec, leaves[0], **kwargs)
+    if not leaves:
+        return x
+    leaves = _validate.agreed(kwargs["comm"], spec.name, _validate.each_leaf, x, leaves,
+                              lambda leaf: _validate.as_array(leaf, spec.name))
+    info = kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
+    checks = functools.partial(_validate.check_leaves, info=info, root=kwargs.get("root", 0),
+                               op=kwargs.get("op"))
+    _validate.agreed(info, spec.name, checks, spec, x, leaves)  # every leaf, before any MPI
+    if spec.reduces:
+        kwargs["op"] = _types.op_name(kwargs["op"], spec.name)
+    if not _compat.at_top_level():  # one program for the tree, its messages in order
+        program = _fused_program(spec, ordered=True, alias=True, overlapped=overlap.active(),
+                                 **kwargs)
+        return jax.tree.unflatten(treedef, program(tuple(leaves)))
+    # Eagerly, each message runs like an eager array call: its own cached
+    # program, synchronously and without the ordered effect, so JAX dispatches
+    # it on its C++ fast path (a program with effects takes its Python path,
+    # 1.6 ms instead of 0.45 ms with 100 arrays); completing each before the
+    # next keeps the order.  Eager inputs are the caller's arrays: no aliasing.
+    program = _fused_program(spec, ordered=False, alias=False, overlapped=False, **kwargs)
+    results = [None] * len(leaves)
+    after_pending_programs()
+    for indices in messages(leaves):
+        outs = jax.block_until_ready(program(tuple(leaves[i] for i in indices)))
+        for i, out in zip(indices, outs):
+            results[i] = out
+    return jax.tree.unflatten(treedef, results)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_program(spec, **kwargs):
+    return jax.jit(functools.partial(_fused_leaves, spec, **kwargs))
+
+
+def messages(leaves):
+    """Leaf indices grouped into MPI messages, the same on every rank: a large
+    leaf alone, small leaves of one dtype together up to FUSION_BYTES."""
+    grouped, open_buckets = [], {}  # open_buckets: dtype -> [indices, bytes]
+    for index, leaf in enumerate(leaves):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if nbytes > FUSION_LEAF_BYTES:
+            grouped.append([index])
+            continue
+        bucket = open_buckets.get(leaf.dtype)
+        if bucket is None or bucket[1] + nbytes > FUSION_BYTES:
+            bucket = open_buckets[leaf.dtype] = [[], 0]
+            grouped.append(bucket[0])
+        bucket[0].append(index)
+        bucket[1] += nbytes
+    return grouped
+
+
+def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
+    grouped = messages(leaves)
+    # Without the ordered effect nothing orders two messages in one program.
+    assert ordered or len(grouped) == 1, "an unordered program holds one message"
+    results = [None] * len(leaves)
+    for indices in grouped:
+        if len(indices) == 1:
+            results[indices[0]] = bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
+                                       overlapped=overlapped, **kwargs)
+            continue
+        _, params = _validate.validated_params(spec, leaves[indices[0]], kwargs["comm"],
+                                               kwargs.get("root", 0), kwargs.get("op"), False)
+        if overlapped:
+            params["overlapped"] = True
+        outs = _spec.FUSED_PRIMITIVES[spec.name].bind(
+            *(_typing.typed_input(leaves[i]) for i in indices), **_typing.typed_params(params),
+            ordered=ordered, alias=alias)
+        for i, out in zip(indices, outs):
+            results[i] = out
+    return results

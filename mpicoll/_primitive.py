@@ -1,0 +1,300 @@
+"""One way to make an mpicoll primitive: the ordered MPI effect, the FFI call, define(spec).
+
+Every mpicoll primitive lowers to a custom call of the extension that takes the
+MPI ordering token first and returns it first (`ordered_ffi_call`), so every
+rank issues its MPI calls in program order.  `define(spec)` turns a Collective
+spec (_spec.py) into its primitive, and for the blocks family into the fused
+primitive that moves n arrays of one dtype in one message, each with abstract
+evaluation, eager evaluation, the lowering, batching and AD rules.
+`effectful_primitive` serves the calls that are not collectives of one array
+(barrier, the receive status, the ranks x devices combine).
+"""
+
+import functools
+import itertools
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+
+from . import _compat, _native, _spec, _types, _typing
+
+
+class MPIEffect(_compat.Effect):
+    """The ordered effect of every mpicoll collective: program order on every rank."""
+
+    def __str__(self):
+        return "MPI"
+
+
+mpi_effect = MPIEffect()
+_compat.register_ordered_effect(MPIEffect)
+
+# Every lowered call gets its own site number, an attribute of its custom call:
+# by default the handler compares a site's call across ranks the first time it
+# runs (failures.py), which is how it knows a program is new.
+_call_sites = itertools.count(1)
+
+
+def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbered=True,
+                     **attributes):
+    """Lower to the FFI custom call `target`(token, *operands) -> (token, *outputs).
+
+    ordered: the token is the MPI effect's, threaded from the previous MPI call
+    of the program to the next; unordered calls (a synchronous eager program
+    with one MPI call) get a fresh one.  aliases: {operand: output} indices
+    counted after the token, for in-place calls.  Integer attributes are passed
+    as int64; every call gets its own site number (`site`), except where the
+    handler checks nothing across ranks (numbered=False).
+    """
+    token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
+    call = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                operand_output_aliases=aliases)
+    if numbered:
+        attributes["site"] = next(_call_sites)
+    attributes = {name: np.int64(value) if isinstance(value, (int, np.integer)) else value
+                  for name, value in attributes.items()}
+    token, *outs = call(_compat.with_token_avals(ctx), token, *operands, **attributes)
+    if ordered:
+        _compat.set_token_out(ctx, mpi_effect, token)
+    return outs
+
+
+# ---------------------------------------------------------------------------
+# Lowerings for every platform.  Every mpicoll primitive lowers to the same
+# custom call on every platform; the handler registered for the platform (cpu,
+# or cuda when built with it) runs it.
+LOWERING_PLATFORMS = ("cpu", "cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_present(platform):
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+def _lowering_for(primitive, platform, rule):
+    if platform in _native.PLATFORMS:
+        return rule
+    name = primitive.name.removeprefix("mpicoll_")
+
+    def missing_handlers(ctx, *args, **params):
+        # Lowering for a platform this process does not have (cross-lowering,
+        # e.g. for cuda on a CPU-only machine) emits the call; running it here
+        # would reach XLA without a handler, so say how to build one instead.
+        if _backend_present(platform):
+            raise NotImplementedError(
+                f"mpicoll.{name}: this mpicoll build has no {platform} handlers, so it "
+                f"cannot run on {platform} arrays. Rebuild it with CUDA "
+                "support: `MPICOLL_CUDA=1 make install` (or `MPICOLL_CUDA=1 pip install "
+                "--no-build-isolation .`), with cuda.h under $CUDA_HOME/include; "
+                "`python -m mpicoll info` shows what a build supports")
+        return rule(ctx, *args, **params)
+    return missing_handlers
+
+
+def effectful_primitive(name, abstract_eval, lowering, *, multiple_results=False,
+                        lowerings=None):
+    """A primitive with MPI's effect: eager evaluation, abstract_eval -> (avals, effects),
+    `lowering` on every platform (or `lowerings`: {platform: rule})."""
+    primitive = Primitive(name)
+    primitive.multiple_results = multiple_results
+    primitive.def_impl(lambda *args, **params: _compat.apply_primitive(primitive, *args,
+                                                                       **params))
+    primitive.def_effectful_abstract_eval(abstract_eval)
+    for platform in LOWERING_PLATFORMS:
+        rule = (lowerings or {}).get(platform)  # a platform's own rule is used as it is
+        _compat.register_call_site_lowering(
+            primitive, rule or _lowering_for(primitive, platform, lowering), platform=platform)
+    return primitive
+
+
+def _effects(ordered):
+    return {mpi_effect} if ordered else set()
+
+
+# ---------------------------------------------------------------------------
+# vmap: one call for the whole batch.  The rank axis must stay leading, so a
+# batch axis in front of it moves behind it; the output's batch axis then
+# shifts by the rank axes the op adds (gather) or removes (scatter).
+
+def _rank_axis_first(spec, x, dim):
+    if spec.leading_axis_is_size and dim == 0:
+        return jax.numpy.moveaxis(x, 0, 1), 1
+    return x, dim
+
+
+def _out_batch_dim(x, dim, out):
+    return None if dim is None else dim + out.ndim - x.ndim
+
+
+def _overlapped_target(ctx, target, overlapped):
+    """The FFI target of a call: `mpicoll_<op>_overlapped` for one traced in mpicoll.overlap().
+
+    The param `overlapped` is present (True) only on such calls, so every other
+    program's jaxpr is unchanged.
+    """
+    if not overlapped:
+        return target
+    platforms = set(ctx.module_context.platforms)
+    if platforms - {"cpu"}:
+        raise NotImplementedError(
+            f"{target}: mpicoll.overlap() runs collectives on a progress thread on CPU only "
+            f"for now, not on {sorted(platforms - {'cpu'})}; trace the call outside "
+            "mpicoll.overlap() (it then runs synchronously on XLA's stream)")
+    if target.endswith("_fused"):
+        return f"{target.removesuffix('_fused')}_overlapped_fused"
+    return f"{target}_overlapped"
+
+
+def _tangent(spec, x, y, t, params):
+    """The tangent of a non-linear reduction (op != sum)."""
+    if spec.reduction_jvp is None:
+        raise NotImplementedError(
+            f"mpicoll.{spec.name}: op={_types.OP_NAMES[params['op']]!r} has no derivative "
+            "(only op='sum' is differentiable)")
+    return spec.reduction_jvp(x, y, t, params)
+
+
+def _nonlinear(spec, params):
+    return spec.reduces and params["op"] != _types.SUM
+
+
+def _single_array_primitive(spec):
+    def abstract_eval(x, *, ordered, **params):
+        return _typing.typed_output(spec, x, spec.out_shape(x.shape, params), params), \
+            _effects(ordered)
+
+    def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), overlapped=False,
+                 **params):
+        # In-place ops alias their output to x (operand 0 after the token): when
+        # x is donated or dead, as loop carries often are, XLA hands MPI one
+        # buffer and no output is allocated; otherwise XLA copies x first.
+        # Eager programs do not alias (alias=False): their input is the
+        # caller's array, never donated, so aliasing would only add that copy.
+        # ffi_args: the vector and point-to-point families' ints (counts, peers).
+        return ordered_ffi_call(
+            ctx, _overlapped_target(ctx, spec.target, overlapped), x, ordered=ordered,
+            aliases={1: 1} if spec.in_place and alias else None, comm=comm, root=root, op=op,
+            args=np.asarray(ffi_args, np.int64).reshape(-1))
+
+    primitive = effectful_primitive(spec.target, abstract_eval, lowering)
+
+    def batch(args, dims, **params):
+        (x,), (dim,) = args, dims
+        if spec.batch is not None:
+            x, params, out_dim = spec.batch(x, dim, params)
+            return primitive.bind(x, **params), out_dim
+        x, dim = _rank_axis_first(spec, x, dim)
+        out = primitive.bind(x, **params)
+        return out, _out_batch_dim(x, dim, out)
+
+    def jvp(primals, tangents, **params):
+        (x,), (t,) = primals, tangents
+        y = primitive.bind(x, **params)
+        if type(t) is _compat.Zero:
+            return y, _compat.zero_tangent(jax.typeof(y))
+        if spec.not_differentiable:
+            raise NotImplementedError(f"mpicoll.{spec.name}: {spec.not_differentiable}")
+        if _nonlinear(spec, params):
+            return y, _tangent(spec, x, y, t, params)
+        return y, primitive.bind(t, **params)  # linear
+
+    def transpose(ct, x, **params):
+        if _nonlinear(spec, params):
+            raise NotImplementedError(f"mpicoll.{spec.name}: "
+                                      f"op={_types.OP_NAMES[params['op']]!r} "
+                                      "is not linear and cannot be transposed")
+        _typing.check_reverse_mode(spec.name, params)
+        if type(ct) is _compat.Zero:
+            return [_compat.zero_tangent(x.aval)]
+        return [_typing.typed_like(spec.transpose(ct, params), x.aval)]
+
+    _compat.register_batching(primitive, batch)
+    _compat.register_jvp(primitive, jvp)
+    _compat.register_transpose(primitive, transpose)
+    return primitive
+
+
+def _fused_primitive(spec, single):
+    """The collective applied to n arrays of one dtype in one MPI message (pytrees).
+
+    It means exactly one `spec` collective per array, with the same params; the
+    FFI handler packs the arrays into one message and unpacks the result.  Its
+    rules are those of the single-array primitive, applied array by array, so
+    vmap and the forward pass stay fused; cotangents run per array.
+    """
+    def abstract_eval(*xs, ordered, **params):
+        return [_typing.typed_output(spec, x, spec.out_shape(x.shape, params), params)
+                for x in xs], _effects(ordered)
+
+    def lowering(ctx, *xs, comm, size, root, op, ordered, alias, overlapped=False,
+                 **rules):  # rules: AD-only
+        # As for one array: outputs alias inputs where the shapes agree, which
+        # in a loop saves XLA one copy per carried array and iteration.
+        aliases = ({i + 1: i + 1 for i in range(len(xs))} if spec.in_place and alias
+                   else None)
+        return ordered_ffi_call(ctx, _overlapped_target(ctx, f"{spec.target}_fused", overlapped),
+                                *xs, ordered=ordered, aliases=aliases, comm=comm, root=root,
+                                op=op)
+
+    primitive = effectful_primitive(f"{spec.target}_fused", abstract_eval, lowering,
+                                    multiple_results=True)
+
+    def batch(args, dims, **params):
+        moved = [_rank_axis_first(spec, x, dim) for x, dim in zip(args, dims)]
+        outs = primitive.bind(*(x for x, _ in moved), **params)
+        return outs, [_out_batch_dim(x, dim, out) for (x, dim), out in zip(moved, outs)]
+
+    def jvp(primals, tangents, **params):
+        ys = primitive.bind(*primals, **params)
+        if _nonlinear(spec, params):
+            return ys, [_compat.zero_tangent(jax.typeof(y)) if type(t) is _compat.Zero
+                        else _tangent(spec, x, y, t, params)
+                        for x, y, t in zip(primals, ys, tangents)]
+        # Linear: the nonzero tangents travel fused too.
+        live = [i for i, t in enumerate(tangents) if type(t) is not _compat.Zero]
+        outs = [_compat.zero_tangent(jax.typeof(y)) for y in ys]
+        if live:
+            for i, out in zip(live, primitive.bind(*(tangents[i] for i in live), **params)):
+                outs[i] = out
+        return ys, outs
+
+    single_transpose = _compat.transpose_rule(single)
+
+    def transpose(cts, *xs, **params):
+        return [single_transpose(ct, x, **params)[0] for ct, x in zip(cts, xs)]
+
+    _compat.register_batching(primitive, batch)
+    _compat.register_jvp(primitive, jvp)
+    _compat.register_transpose(primitive, transpose)
+    return primitive
+
+
+# The extension's table of collectives (csrc/ops.def), by name.
+_NATIVE_COLLECTIVES = _native.extension.collectives() if hasattr(_native.extension, "collectives") else None  # TEMP-SHIM
+_NATIVE_FAMILIES = {"blocks": "blocks", "vector": "vector", "vector_pairs": "vector",
+                    "peer": "peer"}
+
+
+def define(spec):
+    """Make and register the primitive(s) of a spec; returns the spec.
+
+    The spec must match its row in the extension's table (name, family, root,
+    reduction), so the two lists of collectives cannot drift apart.
+    """
+    row = _NATIVE_COLLECTIVES.get(spec.name) if _NATIVE_COLLECTIVES is not None else dict(family=spec.family, reduces=spec.reduces, rooted=spec.has_root)  # TEMP-SHIM
+    if row is None:
+        raise AssertionError(f"mpicoll: the extension has no collective {spec.name!r}")
+    if (_NATIVE_FAMILIES[row["family"]] != spec.family or bool(row["reduces"]) != spec.reduces
+            or bool(row["rooted"]) != spec.has_root):
+        raise AssertionError(f"mpicoll: the spec of {spec.name} disagrees with the "
+                             f"extension's row {row}")
+    assert spec.name not in _spec.SPECS, f"{spec.name} is defined twice"
+    _spec.SPECS[spec.name] = spec
+    _spec.PRIMITIVES[spec.name] = single = _single_array_primitive(spec)
+    if spec.family == "blocks":
+        _spec.FUSED_PRIMITIVES[spec.name] = _fused_primitive(spec, single)
+    return spec

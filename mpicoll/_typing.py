@@ -1,0 +1,231 @@
+"""The MPI ranks as a mesh axis JAX's type system tracks, pvary, and the autodiff modes.
+
+Inside shard_map over mesh() (check_vma=True, JAX's default), every value is
+typed varying or invariant over RANKS: in_specs P(RANKS) marks per-rank data,
+P() a value identical on every rank (parameters).  The collectives type their
+outputs (allreduce/allgather/bcast over every rank: invariant; the rest:
+varying) and take per-rank inputs, casting an invariant one with pvary.  JAX
+then does the rest with its own rules: it inserts pvary where an invariant value
+meets a varying one (the cotangent of a replicated parameter is summed over
+ranks, via route_pvary_transpose below) and rejects a loop whose carry changes
+type (a per-rank carry that an allreduce makes identical).
+
+Outside such a mesh nothing is typed and mpicoll's convention applies: a value
+identical on every rank (the output of allreduce, allgather, bcast) is one
+value, not `size` copies; a value that differs per rank is that rank's own, and
+rank-varying scalar outputs add up across ranks into the global objective.
+Reverse mode there is refused unless the user accepts that convention
+(set_autodiff("convention")).
+"""
+
+import contextlib
+import threading
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+
+from . import _compat, _settings, _spec, _types, comm as comm_layer
+
+RANKS = "mpicoll.RANKS"
+
+
+def mesh(local_axis=None, devices=None):
+    """A jax.sharding.Mesh whose first axis, RANKS, stands for the MPI ranks.
+
+    Locally the RANKS axis has size 1 (this process); mpicoll's collectives
+    act across it.  With local_axis (a name), a second axis spans this
+    process's devices (default: all local devices), for per-device data
+    (P((RANKS, local_axis))) and the ranks x devices collectives
+    (axis_name=local_axis).  Without it the mesh holds one device (default:
+    the first local one).
+    """
+    from jax.sharding import Mesh
+    if local_axis == RANKS:
+        raise ValueError(f"mpicoll.mesh: local_axis must differ from {RANKS!r}")
+    if devices is None:
+        devices = jax.local_devices() if local_axis is not None else jax.local_devices()[:1]
+    devices = np.array(list(devices))
+    if local_axis is None:
+        if devices.size != 1:
+            raise ValueError(f"mpicoll.mesh: {devices.size} devices need a local_axis name")
+        return Mesh(devices.reshape(1), (RANKS,))
+    return Mesh(devices.reshape(1, -1), (RANKS, local_axis))
+
+
+def ranks_typed():
+    """Whether values traced now are typed over RANKS (shard_map over mesh(), check_vma)."""
+    return _compat.axis_in_manual_mesh(RANKS)
+
+
+def world():
+    return comm_layer.resolve(None, "pvary")
+
+
+def _spans_all_ranks(params):
+    return params["size"] == world().size
+
+
+# ---------------------------------------------------------------------------
+# pvary: identity on the value; its cotangent is summed over ranks.  Apply it
+# to a replicated value (e.g. parameters) before using it rank-dependently, so
+# that the gradient collects every rank's contribution (as shard_map does).
+# No MPI call: the identity's lowering is its input.
+
+pvary_p = Primitive("mpicoll_pvary")
+pvary_p.def_impl(lambda x, **params: x)
+pvary_p.def_abstract_eval(
+    lambda x, **params: _compat.with_varying_axes(x, _compat.varying_axes(x) | {RANKS})
+    if ranks_typed() else x)
+_compat.register_lowering(pvary_p, lambda ctx, x, **params: [x])
+_compat.register_batching(pvary_p, lambda args, dims, **params: (pvary_p.bind(*args, **params),
+                                                                 dims[0]))
+_compat.register_jvp(pvary_p, lambda primals, tangents, **params: (
+    pvary_p.bind(*primals, **params),
+    tangents[0] if type(tangents[0]) is _compat.Zero else pvary_p.bind(tangents[0], **params)))
+
+
+def _sum_over(ct, comm, size):
+    return _spec.run("allreduce", ct, dict(comm=comm, size=size, root=0, op=_types.SUM,
+                                           transpose_sums=False))
+
+
+def _pvary_transpose(ct, x, *, comm, size):
+    if type(ct) is _compat.Zero:
+        return [_compat.zero_tangent(x.aval)]
+    return [_sum_over(ct, comm, size)]
+
+
+_compat.register_transpose(pvary_p, _pvary_transpose)
+
+
+def cast_per_rank(x):
+    """x typed varying over RANKS; under autodiff its cotangent is summed over all ranks."""
+    everyone = world()
+    return pvary_p.bind(x, comm=everyone.slot, size=everyone.size)
+
+
+# ---------------------------------------------------------------------------
+# How the collectives type their inputs and outputs.
+
+def typed_output(spec, x, shape, params):
+    """The output aval: x's shape rule, and inside mesh() its RANKS variance."""
+    out = _compat.aval_with_shape(x, shape)
+    if not ranks_typed():
+        return out
+    varying = _compat.varying_axes(x)
+    # transpose_sums (the ranks x devices ops under pmap, some transposes) means
+    # the sum convention, where every value counts per rank: varying.
+    same_everywhere = (spec.replicates and _spans_all_ranks(params)
+                       and not params.get("transpose_sums"))
+    return _compat.with_varying_axes(
+        out, varying - {RANKS} if same_everywhere else varying | {RANKS})
+
+
+def typed_input(x):
+    """Inside mesh(): a collective contributes a per-rank value.  An invariant x
+    (the same on every rank) is cast with pvary, so its gradient collects every
+    rank's cotangent."""
+    if ranks_typed() and RANKS not in _compat.varying_axes(jax.typeof(x)):
+        return cast_per_rank(x)
+    return x
+
+
+def typed_params(params):
+    """Inside mesh(), a communicator short of every rank gets the sum convention
+    (its replicated outputs still differ between its groups)."""
+    if ranks_typed() and not _spans_all_ranks(params):
+        return {**params, "transpose_sums": True}
+    return params
+
+
+def typed_like(ct, aval):
+    """A transpose's result, typed like the primal input it is the cotangent of."""
+    if (ranks_typed() and RANKS in _compat.varying_axes(aval)
+            and RANKS not in _compat.varying_axes(jax.typeof(ct))):
+        return cast_per_rank(ct)
+    return ct
+
+
+def check_invariant(leaf):
+    """pvary's argument check inside mesh(): the value must be the same on every rank."""
+    if RANKS in _compat.varying_axes(jax.typeof(leaf)):
+        raise ValueError(
+            f"mpicoll.pvary: x already varies over {RANKS} (a per-rank value, typed "
+            f"{jax.typeof(leaf).str_short()}); pvary marks a value that is the same on every "
+            "rank")
+
+
+# ---------------------------------------------------------------------------
+# Reverse mode outside mesh(): by default it refuses, since nothing says which
+# values are the same on every rank and mpicoll's convention (one value) gives
+# wrong gradients where it is not met.  set_autodiff("convention") accepts the
+# convention (mpi4jax's, which mpicoll.mpi4jax sets); the sum convention of
+# pmap (transpose_sums, every value per rank) is always well defined.
+
+AUTODIFF_MODES = _settings.AUTODIFF_MODES
+_autodiff = _settings.current().autodiff
+_convention_scope = threading.local()  # mpicoll.mpi4jax's calls: mpi4jax's convention
+
+
+def autodiff_checked():
+    """Whether a collective bound now refuses reverse mode outside mesh()."""
+    return _autodiff == "checked" and not getattr(_convention_scope, "active", False)
+
+
+@contextlib.contextmanager
+def convention_autodiff():
+    """Collectives called inside it (on this thread) follow the convention."""
+    previous = getattr(_convention_scope, "active", False)
+    _convention_scope.active = True
+    try:
+        yield
+    finally:
+        _convention_scope.active = previous
+
+
+def set_autodiff(mode):
+    """How reverse-mode autodiff treats collectives outside mesh(); returns the previous mode.
+
+    It applies to collectives called (traced) after it, on every rank alike.
+
+    "checked" (the default): transposing a collective outside shard_map over
+    mpicoll.mesh() raises TypeError, where JAX would type the ranks.
+    "convention": mpicoll's unchecked convention (README, "vmap and autodiff").
+    Forward mode (jvp, jacfwd) is exact either way.
+    """
+    global _autodiff
+    if mode not in AUTODIFF_MODES:
+        raise ValueError(f"mpicoll.set_autodiff: mode must be one of {AUTODIFF_MODES}, "
+                         f"got {mode!r}")
+    previous, _autodiff = _autodiff, mode
+    return previous
+
+
+def autodiff_mode():
+    """The current autodiff mode: "checked" or "convention"."""
+    return _autodiff
+
+
+def check_reverse_mode(name, params):
+    if not params.get("checked_ad") or params.get("transpose_sums") or ranks_typed():
+        return
+    raise TypeError(
+        f"mpicoll.{name}: reverse-mode autodiff through a collective needs to know which "
+        "values are the same on every rank. Differentiate inside jax.shard_map over "
+        "mpicoll.mesh() (in_specs P() for a value identical on every rank, "
+        "P(mpicoll.RANKS) for this rank's data), where JAX checks it; or accept mpicoll's "
+        "unchecked convention with mpicoll.set_autodiff('convention') or "
+        "MPICOLL_AUTODIFF=convention (README: vmap and autodiff)")
+
+
+def _sum_over_ranks(ct):
+    everyone = world()
+    return _sum_over(ct, everyone.slot, everyone.size)
+
+
+_compat.route_pvary_transpose(RANKS, _sum_over_ranks)
+_compat.refuse_lax_collectives_over(
+    RANKS, "jax.lax {name} over " + repr(RANKS) + " would act on this process alone: the "
+    "axis stands for the MPI ranks; use mpicoll's collectives (allreduce for psum, allgather "
+    "for all_gather, sendrecv for ppermute, the communicator's rank for axis_index)")
