@@ -54,6 +54,16 @@ def test_device_order_is_the_default_on_this_jax():
     assert mpicoll.dispatch_mode() == "device-order"
 
 
+def test_the_source_text_of_jax_lowering_is_read_as_expected_on_this_jax():
+    """The one place mpicoll reads JAX's source (pxla._cached_lowering_to_hlo, a C++ cache
+    without a signature): the three arguments the hook rewrites are found by position,
+    on each JAX line CI runs (0.10 on Python 3.11, the newest on 3.12)."""
+    positions = _compat.dispatch_hooks._lowering_argument_positions()
+    assert positions is not None, f"jax {jax.__version__}: pxla's lowering function changed"
+    assert set(positions) == {"closed_jaxpr", "num_devices", "platforms"}
+    assert len(set(positions.values())) == 3
+
+
 @pytest.mark.parametrize("dispatch", ["device-order", "tokens"], indirect=True)
 def test_program_takes_a_runtime_token_only_in_tokens_mode(dispatch):
     program = jax.jit(lambda x: mpicoll.allreduce(x) * 2)
