@@ -4,8 +4,8 @@ A setup(ctx, op, count) returns (once, run, timed) for one collective at one
 count (see benchmarks/timing.py), or raises timing.Unavailable with the reason.
 IMPLEMENTATIONS is the one table of them, in the order of the report's columns:
 a new library is a setup function and a row there; a new collective is an entry
-in cases.py (input, expected output) and in the per-library tables below
-(mpi4py_call, mpicoll_ops, mpi4jax_ops) and mpi_floor.c.
+in cases.py (OPS, expected output), in the per-library tables below
+(mpi4py_call, mpicoll_ops, mpi4jax_ops), in mpi_floor.c and in report.OP_TITLES.
 
 jax-gloo, JAX's own multi-process runtime, cannot share a process with MPI: it
 runs in child processes (gloo_worker), for GLOO_OPS only.
