@@ -5,7 +5,7 @@ Run on a GPU node (what `tools/gpu_suite.sh bench` does):
     mpiexec -n 2 python benchmarks/gpu_bench.py --floor-lib mpi_floor.so [--out DIR]
 
 Every implementation works on float32 arrays on the GPU, in the same run, with
-the same call pattern (benchmarks/bench.py's inputs, checks and Timer):
+the same call pattern (bench.py's cases, registry setups and timing.Timer):
 
   staging-floor    what host staging cannot beat without pipelining: per call,
                    a pinned copy from the GPU (CuPy, synchronized), the bare C
@@ -34,7 +34,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (inputs, expected results, Timer, the C floor, jax patterns)
+import cases  # noqa: E402  (benchmarks/: inputs and expected results)
+import registry  # noqa: E402  (the jax patterns)
+import timing  # noqa: E402
+from mpi_floor import FloorLibrary  # noqa: E402
 
 MIB = 1 << 20
 
@@ -45,7 +48,7 @@ def parse_args():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--allreduce-sizes", nargs="+", default=["4", "16KiB", "4MiB", "64MiB"])
     parser.add_argument("--other-sizes", nargs="+", default=["4MiB", "64MiB"])
-    parser.add_argument("--ops", nargs="+", default=list(bench.OPS))
+    parser.add_argument("--ops", nargs="+", default=list(cases.OPS))
     parser.add_argument("--target-ms", type=float, default=30.0)
     return parser.parse_args()
 
@@ -54,13 +57,13 @@ def setup_python_loop(ctx, library, op, count):
     """k calls of one jitted collective from Python, each output feeding the next call."""
     import jax
     fn = ctx.jax_ops[library][op]
-    in_place = op in bench.IN_PLACE.get(library, ())
-    step = jax.jit(lambda x: bench.feed(x, fn(x), in_place))
-    state = [jax.numpy.asarray(bench.jax_input(library, op, ctx.rank, ctx.size, count))]
+    in_place = op in registry.IN_PLACE.get(library, ())
+    step = jax.jit(lambda x: cases.feed(x, fn(x), in_place))
+    state = [jax.numpy.asarray(registry.jax_input(library, op, ctx.rank, ctx.size, count))]
 
     def once():
         return np.asarray(jax.jit(fn)(jax.numpy.asarray(
-            bench.jax_input(library, op, ctx.rank, ctx.size, count))).block_until_ready())
+            registry.jax_input(library, op, ctx.rank, ctx.size, count))).block_until_ready())
 
     def run(k):
         x = state[0]
@@ -76,7 +79,7 @@ def setup_staging_floor(ctx, op, count):
     import cupy
     import cupyx
 
-    x_host, out_host = bench.floor_buffers(op, ctx.rank, ctx.size, count)
+    x_host, out_host = cases.floor_buffers(op, ctx.rank, ctx.size, count)
     pinned_in = cupyx.empty_pinned(x_host.shape, np.float32)
     pinned_out = cupyx.empty_pinned(out_host.shape, np.float32)
     device_in, device_out = cupy.asarray(x_host), cupy.asarray(out_host)
@@ -110,7 +113,7 @@ def setup_staging_floor(ctx, op, count):
 def setup_with_chunk(chunk_bytes):
     """mpicoll-loop with the staging pipeline's chunk set to chunk_bytes (0: no pipeline)."""
     def setup(ctx, op, count):
-        once, run, _ = bench.setup_jit(ctx, "mpicoll", op, count)
+        once, run, _ = registry.setup_jit(ctx, "mpicoll", op, count)
         from mpicoll import _native
 
         def with_chunk(fn):
@@ -129,16 +132,16 @@ def setup_with_chunk(chunk_bytes):
 
 def implementations(ctx, op, nbytes, largest):
     impls = {"staging-floor": setup_staging_floor,
-             "mpicoll-loop": lambda c, o, n: bench.setup_jit(c, "mpicoll", o, n),
+             "mpicoll-loop": lambda c, o, n: registry.setup_jit(c, "mpicoll", o, n),
              "mpicoll-python": lambda c, o, n: setup_python_loop(c, "mpicoll", o, n),
-             "mpicoll-eager": lambda c, o, n: bench.setup_eager(c, "mpicoll", o, n)}
+             "mpicoll-eager": lambda c, o, n: registry.setup_eager(c, "mpicoll", o, n)}
     if nbytes == largest:
         impls["mpicoll-loop-unpipelined"] = setup_with_chunk(0)
         if op == "allreduce":  # the chunk size's effect
             for chunk in (1 * MIB, 16 * MIB):
                 impls[f"mpicoll-loop-chunk-{chunk // MIB}MiB"] = setup_with_chunk(chunk)
     if "mpi4jax" in ctx.jax_ops:
-        impls["mpi4jax-loop"] = lambda c, o, n: bench.setup_jit(c, "mpi4jax", o, n)
+        impls["mpi4jax-loop"] = lambda c, o, n: registry.setup_jit(c, "mpi4jax", o, n)
         impls["mpi4jax-python"] = lambda c, o, n: setup_python_loop(c, "mpi4jax", o, n)
     return impls
 
@@ -151,18 +154,17 @@ def main():
     import mpicoll
     from mpicoll import _native
 
-    bench.ONE_CALL_BYTES = 1 << 40  # see the module docstring
     comm = MPI.COMM_WORLD
-    ctx = bench.Context()
+    ctx = registry.Context()
     ctx.rank, ctx.size = comm.Get_rank(), comm.Get_size()
-    ctx.floor = bench.FloorLibrary(args.floor_lib, comm.Dup())
-    ctx.jax_ops = {"mpicoll": bench.jax_ops("mpicoll")}
-    has_mpi4jax, mpi4jax_info = bench.import_mpi4jax()
+    ctx.floor = FloorLibrary(args.floor_lib, comm.Dup())
+    ctx.jax_ops = {"mpicoll": registry.jax_ops("mpicoll")}
+    has_mpi4jax, mpi4jax_info = registry.import_mpi4jax()
     if has_mpi4jax:
-        ctx.jax_ops["mpi4jax"] = bench.jax_ops("mpi4jax", comm.Dup())
+        ctx.jax_ops["mpi4jax"] = registry.jax_ops("mpi4jax", comm.Dup())
     assert jax.default_backend() == "gpu", f"not on a GPU: {jax.default_backend()}"
-    timer = bench.Timer(comm.Barrier, lambda t: comm.allreduce(t, op=MPI.MAX),
-                        args.target_ms / 1000)
+    timer = timing.mpi_timer(comm, args.target_ms / 1000,
+                             one_call_bytes=1 << 40)  # see the module docstring
     header = {"ranks": ctx.size, "device": str(jax.devices()[0].device_kind),
               "jax": jax.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
               "transport": _native.GPU_TRANSPORT, "chunk_bytes": _native.GPU_CHUNK_BYTES,
@@ -170,16 +172,14 @@ def main():
     rows = []
     for op in args.ops:
         sizes = args.allreduce_sizes if op == "allreduce" else args.other_sizes
-        sizes = [bench.parse_size(s) for s in sizes]
+        sizes = [cases.parse_size(s) for s in sizes]
         for nbytes in sizes:
-            count = bench.block_count(op, nbytes, ctx.size)
+            count = cases.block_count(op, nbytes, ctx.size)
             for impl, setup in implementations(ctx, op, nbytes, max(sizes)).items():
                 row = {"op": op, "bytes": nbytes, "impl": impl}
                 try:
                     once, run, _ = setup(ctx, op, count)
-                    out = np.asarray(once())
-                    ok = (not bench.checks_result(op, ctx.rank)
-                          or np.array_equal(out, bench.expected(op, ctx.rank, ctx.size, count)))
+                    ok = cases.is_correct(once(), op, ctx.rank, ctx.size, count)
                     row["correct"] = all(comm.allgather(ok))
                     repeats = 9 if nbytes <= 16 * MIB else 5
                     k, times = timer.times(run, repeats, amortize="-loop" in impl,
