@@ -71,12 +71,16 @@ def _local_axis_size(axis_name, caller):
                          "use it inside pmap or shard_map over the local devices") from error
 
 
+def _reduction_arguments(x, op, comm, axis_name, caller):
+    """(x as an array, the op's name, the communicator, the local device count), checked."""
+    x = _validate.as_array(x, caller)
+    name = _types.op_name(op, caller)
+    _types.op_code(name, x.dtype, caller)
+    return x, name, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
+
+
 def allreduce(x, op, comm, axis_name):
-    x = _validate.as_array(x, "allreduce")
-    name = _types.op_name(op, "allreduce")
-    _types.op_code(name, x.dtype, "allreduce")
-    info = comm_layer.resolve(comm, "allreduce")
-    local = _local_axis_size(axis_name, "allreduce")
+    x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
     if _combines_in_handler(x, local):
         return _combined_allreduce(x, name, info, axis_name)
     return _composed_allreduce(x, name, info, axis_name)
@@ -247,16 +251,12 @@ def bcast(x, root, comm, axis_name):
     vma = _compat.check_vma_enabled()
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
-    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=comm,
-                             root=root_rank, transpose_sums=not vma)
+    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=comm, root=root_rank,
+                transpose_sums=not vma)
 
 
 def reduce_scatter(x, op, comm, axis_name):
-    x = _validate.as_array(x, "reduce_scatter")
-    name = _types.op_name(op, "reduce_scatter")
-    _types.op_code(name, x.dtype, "reduce_scatter")
-    info = comm_layer.resolve(comm, "reduce_scatter")
-    local = _local_axis_size(axis_name, "reduce_scatter")
+    x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
     blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
     if name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
@@ -267,5 +267,4 @@ def reduce_scatter(x, op, comm, axis_name):
         mine = functools.reduce(_types.elementwise(name), [everything[:, k] for k in range(local)])
         mine = mine.astype(x.dtype)
     vma = _compat.check_vma_enabled()
-    return bind(_blocks.REDUCE_SCATTER, mine, op=name, comm=comm,
-                             transpose_sums=not vma)
+    return bind(_blocks.REDUCE_SCATTER, mine, op=name, comm=comm, transpose_sums=not vma)
