@@ -1,0 +1,112 @@
+"""Settings read once from MPICOLL_* variables, thresholds changed through override(),
+and the one list of collectives and of reduction ops shared with the extension."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+import mpicoll
+from mpicoll import _ranks_devices, _settings, _spec, _types
+from mpicoll._native import extension
+from conftest import serial_only
+
+
+def test_defaults_when_nothing_is_set():
+    settings, sources = _settings.from_environment({})
+    assert settings == _settings.Settings()
+    assert settings.check == "first-run" and settings.timeout == 0
+    assert settings.local_combine_bytes == 1 << 20
+    assert settings.split_allreduce_bytes == 256 << 10
+    assert set(sources.values()) == {"default"}
+
+
+@pytest.mark.parametrize("variable, raw, field, value", [
+    ("MPICOLL_CHECK", "1", "check", "every-call"),
+    ("MPICOLL_CHECK", "all", "check", "every-call"),
+    ("MPICOLL_CHECK", "off", "check", "off"),
+    ("MPICOLL_CHECK", "first", "check", "first-run"),
+    ("MPICOLL_TIMEOUT", "2.5", "timeout", 2.5),
+    ("MPICOLL_ABORT_ON_ERROR", "0", "abort_on_error", False),
+    ("MPICOLL_ABORT_ON_ERROR", "yes", "abort_on_error", True),
+    ("MPICOLL_AUTODIFF", "Convention", "autodiff", "convention"),
+    ("MPICOLL_DISPATCH", "tokens", "dispatch", "tokens"),
+    ("MPICOLL_GPU_TRANSPORT", "staged", "gpu_transport", "staged"),
+    ("MPICOLL_GPU_CHUNK_BYTES", "0", "gpu_chunk_bytes", 0),
+    ("MPICOLL_LOCAL_COMBINE_BYTES", "4096", "local_combine_bytes", 4096),
+    ("MPICOLL_SPLIT_ALLREDUCE_BYTES", " 65536 ", "split_allreduce_bytes", 65536),
+])
+def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
+    settings, sources = _settings.from_environment({variable: raw})
+    assert getattr(settings, field) == value
+    assert sources[field] == f"{variable}={raw.strip()}"
+    others = {f.name for f in dataclasses.fields(settings)} - {field}
+    assert all(sources[name] == "default" for name in others)
+
+
+@pytest.mark.parametrize("variable, raw, message", [
+    ("MPICOLL_TIMEOUT", "soon", "MPICOLL_TIMEOUT must be a number of seconds"),
+    ("MPICOLL_TIMEOUT", "-1", "MPICOLL_TIMEOUT must be >= 0"),
+    ("MPICOLL_DISPATCH", "fifo", "MPICOLL_DISPATCH must be one of"),
+    ("MPICOLL_AUTODIFF", "sometimes", "MPICOLL_AUTODIFF must be one of"),
+    ("MPICOLL_GPU_TRANSPORT", "nvlink", "MPICOLL_GPU_TRANSPORT must be one of"),
+    ("MPICOLL_GPU_CHUNK_BYTES", "4MiB", "MPICOLL_GPU_CHUNK_BYTES='4MiB' must be a non-negative"),
+    ("MPICOLL_LOCAL_COMBINE_BYTES", "-5", "MPICOLL_LOCAL_COMBINE_BYTES='-5' must be"),
+])
+def test_a_bad_value_names_its_variable(variable, raw, message):
+    with pytest.raises(ValueError, match=message):
+        _settings.from_environment({variable: raw})
+
+
+@serial_only
+def test_a_bad_variable_stops_the_import():
+    env = {"MPICOLL_SPLIT_ALLREDUCE_BYTES": "lots", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", "import mpicoll"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be a non-negative integer" in run.stderr
+
+
+def test_override_changes_the_thresholds_inside_only():
+    before = _ranks_devices.local_combine_bytes(2), _ranks_devices.split_allreduce_bytes(8)
+    with _settings.override(local_combine_bytes=0, split_allreduce_bytes=7000) as inside:
+        assert inside is _settings.current()
+        assert _ranks_devices.local_combine_bytes(2) == 0
+        assert _ranks_devices.split_allreduce_bytes(8) == 1000  # scaled by 1 / (L - 1)
+        assert _settings.sources()["split_allreduce_bytes"] == "override"
+        with _settings.override(local_combine_bytes=None):  # None keeps a field
+            assert _ranks_devices.local_combine_bytes(2) == 0
+    assert (_ranks_devices.local_combine_bytes(2), _ranks_devices.split_allreduce_bytes(8)) \
+        == before
+    assert _settings.sources()["split_allreduce_bytes"] != "override"
+
+
+def test_every_collective_of_the_extension_has_one_spec_that_agrees_with_its_row():
+    native = extension.collectives()
+    assert set(native) == set(_spec.SPECS), "the Python specs and csrc/ops.def disagree"
+    for name, spec in _spec.SPECS.items():
+        assert bool(native[name]["reduces"]) == spec.reduces, name
+        assert bool(native[name]["rooted"]) == spec.has_root, name
+
+
+def test_a_spec_the_extension_does_not_know_is_refused():
+    from mpicoll._primitive import define
+    unknown = _spec.Collective("allmean", out_shape=lambda shape, params: shape,
+                               transpose=lambda ct, params: ct, reduces=True)
+    with pytest.raises(AssertionError, match="no collective 'allmean'"):
+        define(unknown)
+    disagreeing = dataclasses.replace(_spec.SPECS["bcast"], has_root=False)
+    with pytest.raises(AssertionError, match="disagrees"):
+        define(disagreeing)
+
+
+def test_the_reduction_ops_are_the_extensions():
+    native = extension.reduction_ops()
+    assert list(_types.OP_FAMILIES) == sorted(native, key=lambda name: native[name][0])
+    assert _types.OP_CODES == {name: code for name, (code, _) in native.items()}
+    # Every op is usable by name and as mpi4py's op, on some dtype of each valid family.
+    for name, families in _types.OP_FAMILIES.items():
+        assert _types.op_name(name.upper(), "test") == name
+        assert families, name
+
