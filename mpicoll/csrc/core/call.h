@@ -17,8 +17,8 @@ namespace ffi = xla::ffi;
 
 // One decoded call: what every collective body needs.  `in`/`out` are the
 // buffers MPI reads and writes: XLA's own on CPU (and with CUDA-aware MPI),
-// pinned host staging buffers when GPU data is staged (see the memory
-// strategies below).
+// pinned host staging buffers when GPU data is staged (the memory strategies,
+// memory/).
 struct Call {
   const char* name;
   MPI_Comm comm;

@@ -1,6 +1,21 @@
 // Running a collective: decode the call (Prepare), guard it (check mode,
 // timeout, serialized lock, the device's queued overlapped calls), and run
 // the one chunk loop over a memory strategy (RunCollective).
+//
+// Every data collective has the same FFI signature, (token, x) -> (token, out)
+// plus the attributes comm/root/op, so one binding serves them all
+// (entries/entries.h).  Each collective is a row of facts and a short chunk
+// body (ops.def); one loop (RunCollective) runs any of them over any memory
+// strategy: XLA's host buffers on CPU (memory/host.h), and on GPUs either
+// device pointers handed to a CUDA-aware MPI (memory/cuda_aware.h) or pinned
+// host staging with a copy pipeline (memory/staged.h).  Errors travel one
+// path: a failed MPI call becomes an ffi::Error naming the op, the MPI error
+// string, the rank and the communicator, raised in Python as a runtime error.
+//
+// Counts above INT_MAX elements are handled by chunking: each MPI call moves
+// one element range of every rank block, with a datatype whose extent is the
+// whole block where a buffer has several blocks.  The GPU pipeline uses the
+// same chunks.
 #pragma once
 
 #include <mpi.h>
