@@ -109,13 +109,8 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
                  "(at most %d local devices)", key, device, kMaxLocalDevices);
     return nullptr;
   }
-  DeviceComm entry;
-  entry.comm = HandleFromInteger<MPI_Comm>(handle);
-  int rc = MPI_Comm_rank(entry.comm, &entry.rank);
-  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(entry.comm, &entry.size);
-  // Collective, like the Python MPI_Comm_dup this follows (same order on every rank).
-  if (rc == MPI_SUCCESS && entry.size > 1) rc = MPI_Comm_dup(entry.comm, &entry.internal);
-  if (rc != MPI_SUCCESS) {
+  if (int rc = RegisterDeviceComm(key, device, HandleFromInteger<MPI_Comm>(handle));
+      rc != MPI_SUCCESS) {
     char text[MPI_MAX_ERROR_STRING];
     int len = 0;
     if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
@@ -123,33 +118,13 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
     PyErr_Format(PyExc_ValueError, "mpicoll: cannot register communicator %lld: %s", key, text);
     return nullptr;
   }
-  CommRow* row = comm_table[key % kMaxComms].load();
-  if (!row) {
-    row = new CommRow;
-    comm_table[key % kMaxComms].store(row, std::memory_order_release);
-  }
-  if (row->key.load() != key) {  // a new generation of this slot
-    row->key.store(-1);
-    std::fill(row->devices, row->devices + kMaxLocalDevices, DeviceComm{});
-  }
-  row->devices[device] = entry;
-  row->key.store(key, std::memory_order_release);
   Py_RETURN_NONE;
 }
 
 PyObject* UnregisterComm(PyObject*, PyObject* args) {
   long long key;
   if (!PyArg_ParseTuple(args, "L", &key)) return nullptr;
-  if (key < 0) Py_RETURN_NONE;
-  if (CommRow* row = comm_table[key % kMaxComms].load()) {
-    int64_t expected = key;
-    if (row->key.compare_exchange_strong(expected, -1)) {
-      // Python frees the communicators it duplicated right after this, in the same order.
-      for (DeviceComm& entry : row->devices) {
-        if (entry.internal != MPI_COMM_NULL) MPI_Comm_free(&entry.internal);
-      }
-    }
-  }
+  UnregisterDeviceComms(key);
   Py_RETURN_NONE;
 }
 

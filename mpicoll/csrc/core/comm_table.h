@@ -3,6 +3,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -50,6 +51,45 @@ Handle HandleFromInteger(unsigned long long value) {
     return reinterpret_cast<Handle>(static_cast<uintptr_t>(value));
   } else {
     return static_cast<Handle>(value);
+  }
+}
+
+// Stores `comm` as (key, device), with its rank, size and internal duplicate.
+// Collective over `comm`, like the Python MPI_Comm_dup this follows (same
+// order on every rank).  Returns an MPI code.
+inline int RegisterDeviceComm(int64_t key, int device, MPI_Comm comm) {
+  DeviceComm entry;
+  entry.comm = comm;
+  int rc = MPI_Comm_rank(entry.comm, &entry.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(entry.comm, &entry.size);
+  if (rc == MPI_SUCCESS && entry.size > 1) rc = MPI_Comm_dup(entry.comm, &entry.internal);
+  if (rc != MPI_SUCCESS) return rc;
+  CommRow* row = comm_table[key % kMaxComms].load();
+  if (!row) {
+    row = new CommRow;
+    comm_table[key % kMaxComms].store(row, std::memory_order_release);
+  }
+  if (row->key.load() != key) {  // a new generation of this slot
+    row->key.store(-1);
+    std::fill(row->devices, row->devices + kMaxLocalDevices, DeviceComm{});
+  }
+  row->devices[device] = entry;
+  row->key.store(key, std::memory_order_release);
+  return MPI_SUCCESS;
+}
+
+// Empties `key`'s slot (its communicators are being freed) and frees the
+// internal duplicates; Python frees the communicators it duplicated right
+// after this, in the same order.
+inline void UnregisterDeviceComms(int64_t key) {
+  if (key < 0) return;
+  if (CommRow* row = comm_table[key % kMaxComms].load()) {
+    int64_t expected = key;
+    if (row->key.compare_exchange_strong(expected, -1)) {
+      for (DeviceComm& entry : row->devices) {
+        if (entry.internal != MPI_COMM_NULL) MPI_Comm_free(&entry.internal);
+      }
+    }
   }
 }
 
