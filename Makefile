@@ -196,7 +196,7 @@ $(MPICC_CHOICE): FORCE | $(STAMP_VENV)
 # headers) and be compiled by this venv's MPI wrapper.  The import afterwards checks
 # that it loads and matches the MPI mpi4py uses (mpicoll/_native.py).
 $(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.toml \
-                  $(wildcard mpicoll/csrc/*) $(EXT_SO_DEP)
+                  $(wildcard mpicoll/csrc/* mpicoll/csrc/*/*) $(EXT_SO_DEP)
 	$(VENV_PATH) MPICC='$(USE_MPICC)' $(PIP) install -q --no-build-isolation --no-deps -e .
 	$(VENV_PATH) $(MPIEXEC_ENV) $(VPY) -c 'import mpicoll, jax; from mpi4py import MPI; \
 	    print("mpicoll", mpicoll.__version__, "| jax", jax.__version__, "|", MPI.Get_library_version().splitlines()[0])'

@@ -6,7 +6,7 @@ cluster's module-loaded MPI, a distribution's, or a PyPI wheel's).  The source
 is C++, compiled with ``-x c++`` and linked against libstdc++, so no separate
 C++ wrapper is needed.
 
-GPU support (the CUDA handlers in csrc/cuda_memory.h) is compiled in when
+GPU support (the CUDA handlers in csrc/entries/cuda.cc) is compiled in when
 MPICOLL_CUDA=1, or, with MPICOLL_CUDA unset, when both cuda.h and a CUDA
 plugin of jaxlib are found (in the build environment: with build isolation,
 set MPICOLL_CUDA=1); MPICOLL_CUDA=0 leaves it out.  It needs only the header:
@@ -109,9 +109,16 @@ class MPIBuildExt(build_ext):
         subprocess.check_call(command)
 
 
-setup(
-    ext_modules=[Extension("mpicoll._mpicoll_ffi", ["mpicoll/csrc/collectives.cc"],
-                           depends=["mpicoll/csrc/cuda_memory.h",
-                                    "mpicoll/csrc/progress.h"])],
-    cmdclass={"build_ext": MPIBuildExt},
-)
+# The extension's translation units (one module; see csrc/module.cc on why
+# several) and the headers and tables they include.
+CSRC = "mpicoll/csrc"
+SOURCES = [f"{CSRC}/{name}" for name in (
+    "module.cc", "entries/cpu.cc", "entries/cuda.cc", "entries/host_staged.cc",
+    "local_combine.cc")]
+DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/*.def"))
+
+if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it
+    setup(
+        ext_modules=[Extension("mpicoll._mpicoll_ffi", SOURCES, depends=DEPENDS)],
+        cmdclass={"build_ext": MPIBuildExt},
+    )

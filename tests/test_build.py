@@ -9,6 +9,7 @@ test-all` builds MPICH and Open MPI ones) or from $MPICOLL_TEST_OTHER_LIBMPI,
 and the test is skipped when there is none.
 """
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -77,6 +78,66 @@ def test_import_fails_clearly_when_mpi4py_loads_another_mpi():
     assert proc.returncode != 0, output
     assert "ImportError: mpicoll was built against " + BUILT["mpi_vendor"] in proc.stderr, output
     assert f"but mpi4py is using {other}" in proc.stderr, output
+
+
+# ---------------------------------------------------------------------------
+# The extension's tables (csrc/reduce_ops.def, csrc/ops.def) as Python reads them.
+
+def test_reduction_ops_table_matches_python():
+    from mpicoll import _dtypes_and_ops
+
+    assert extension.reduction_ops() == {
+        name: (_dtypes_and_ops.OP_CODES[name], families)
+        for name, families in _dtypes_and_ops.OP_FAMILIES.items()}
+    assert extension.op_codes() == {
+        name: code for name, (code, _) in extension.reduction_ops().items()}
+
+
+def test_collectives_table():
+    table = extension.collectives()
+    assert {"bcast", "allreduce", "alltoall", "gatherv", "alltoallv", "send", "sendrecv"} <= set(table)
+    assert table["reduce_scatter"] == {
+        "family": "blocks", "reduces": True, "rooted": False, "blocks_in": True,
+        "blocks_out": False, "in_place": False, "root_input": False, "chunked": True,
+        "zeros": "never"}
+    targets = extension.registrations("cpu")
+    for name, facts in table.items():
+        assert facts["family"] in ("blocks", "vector", "vector_pairs", "peer")
+        assert facts["chunked"] == (facts["family"] == "blocks")
+        assert f"mpicoll_{name}" in targets
+        assert (f"mpicoll_{name}_fused" in targets) == (facts["family"] == "blocks")
+
+
+def _build_helpers():
+    """setup.py's build functions (it runs setup() only as a script)."""
+    spec = importlib.util.spec_from_file_location("mpicoll_setup", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# What defines CUDA code: the CUDA entry points, and the module's GPU functions.
+CUDA_UNITS = ["mpicoll/csrc/entries/cuda.cc", "mpicoll/csrc/module.cc"]
+
+
+# The CUDA handlers are only compiled where CUDA is (`make test-gpu`): this keeps
+# them compiling on every machine that has cuda.h, without a GPU or a full build
+# (a syntax check of the two units that define CUDA code, ~15 s on 2 busy cores).
+@serial_only
+def test_cuda_entry_points_compile(monkeypatch):
+    build = _build_helpers()
+    include = build.find_cuda_include()
+    if include is None:
+        pytest.skip("no cuda.h found (CUDA_HOME, CUDA_PATH, beside nvcc, /usr/local/cuda, "
+                    "pip's nvidia packages)")
+    mpicc = _this_mpicc()
+    if not mpicc:
+        pytest.skip("no MPI compiler wrapper known (no .mpicc-choice, $MPICC or mpicc)")
+    monkeypatch.setenv("MPICOLL_CUDA", "1")
+    command = build.compile_command(mpicc, [str(REPO / unit) for unit in CUDA_UNITS], os.devnull)
+    proc = subprocess.run([*command, "-fsyntax-only"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
 
 
 # ---------------------------------------------------------------------------

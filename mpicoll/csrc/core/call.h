@@ -1,0 +1,142 @@
+// One decoded call (Call), the chunk it runs in (Chunk), and the one error path.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "comm_table.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+
+namespace ffi = xla::ffi;
+
+// One decoded call: what every collective body needs.  `in`/`out` are the
+// buffers MPI reads and writes: XLA's own on CPU (and with CUDA-aware MPI),
+// pinned host staging buffers when GPU data is staged (the memory strategies,
+// memory/).
+struct Call {
+  const char* name;
+  MPI_Comm comm;
+  MPI_Comm internal_comm;  // see DeviceComm::internal
+  int rank;
+  int size;
+  int root;
+  int64_t op;
+  MPI_Datatype type;
+  MPI_Op mpi_op;  // MPI_OP_NULL for collectives that do not reduce
+  size_t elem_bytes;
+  char* in;
+  char* out;
+  size_t in_count;
+  size_t out_count;
+  int64_t site;  // the call site in its program (for the first-run check)
+  ffi::DataType dtype;
+  // The vector and point-to-point families' static arguments (counts, peers).
+  const int64_t* args;
+  size_t nargs;
+  // What a point-to-point body reports: the source and tag it received from,
+  // and why a received message did not fit (kCheckFailed).
+  mutable int32_t status[2];
+  mutable std::string failure;
+  // in/out are device pointers (CUDA-aware MPI): no host code may touch them.
+  bool device_buffers;
+};
+
+inline bool InPlace(const Call& c) { return c.in == c.out; }
+
+// Largest element count passed to a single MPI call (fits an int, and keeps
+// a derived block type's byte size far from overflow).
+constexpr size_t kMaxChunk = size_t{1} << 30;
+
+// Every buffer of a collective is made of rank blocks of `block` elements
+// (one block for bcast/reduce/allreduce and for a gather's input; `size`
+// blocks for a gather's output, a scatter's input, alltoall).  A collective
+// runs as one MPI call per chunk: the element range [offset, offset + count)
+// of every block.  Chunks exist for two reasons, handled by the same loop:
+// counts above INT_MAX, and the GPU staging pipeline (copy chunk k+1 in and
+// chunk k-1 out while MPI moves chunk k).
+struct Chunk {
+  size_t offset;  // elements into each block
+  int count;      // elements of each block in this chunk
+  size_t block;   // elements per block
+  size_t at(const Call& c) const { return offset * c.elem_bytes; }
+};
+
+// How a chunk of every rank's block is described to MPI: plain counts when
+// the chunk is the whole block, else one element of a type covering `count`
+// elements whose extent is a whole block, so consecutive ranks' ranges are a
+// block apart.
+struct RankBlocks {
+  MPI_Datatype type;
+  int count;
+  int rc = MPI_SUCCESS;
+  MPI_Datatype contiguous_ = MPI_DATATYPE_NULL, resized_ = MPI_DATATYPE_NULL;
+  RankBlocks(const Call& c, const Chunk& k) : type(c.type), count(k.count) {
+    if (static_cast<size_t>(k.count) == k.block) return;
+    rc = MPI_Type_contiguous(k.count, c.type, &contiguous_);
+    if (rc == MPI_SUCCESS) {
+      rc = MPI_Type_create_resized(contiguous_, 0, static_cast<MPI_Aint>(k.block * c.elem_bytes),
+                                   &resized_);
+    }
+    if (rc == MPI_SUCCESS) rc = MPI_Type_commit(&resized_);
+    type = resized_;
+    count = 1;
+  }
+  ~RankBlocks() {
+    if (resized_ != MPI_DATATYPE_NULL) MPI_Type_free(&resized_);
+    if (contiguous_ != MPI_DATATYPE_NULL) MPI_Type_free(&contiguous_);
+  }
+};
+
+// What a collective's body or a memory strategy returns besides MPI's codes
+// (which are never negative).
+constexpr int kTransportFailed = -1;  // a strategy's copy failed; its `error` says why
+constexpr int kCheckFailed = -2;      // a body's own check failed; c.failure says why
+
+inline std::string CommName(MPI_Comm comm) {
+  char name[MPI_MAX_OBJECT_NAME];
+  int len = 0;
+  if (MPI_Comm_get_name(comm, name, &len) != MPI_SUCCESS || len == 0) return "<unnamed>";
+  return std::string(name, len);
+}
+
+// ---------------------------------------------------------------------------
+// The one error path.
+inline ffi::Error MpiFailure(const Call& c, int rc) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  char comm_name[MPI_MAX_OBJECT_NAME];
+  int name_len = 0;
+  if (MPI_Comm_get_name(c.comm, comm_name, &name_len) != MPI_SUCCESS || name_len == 0) {
+    std::strcpy(comm_name, "<unnamed>");
+  }
+  return ffi::Error::Internal(std::string("mpicoll.") + c.name + " failed on rank " +
+                              std::to_string(c.rank) + " of communicator " + comm_name + ": " +
+                              std::string(text, len));
+}
+
+inline ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
+  const DeviceComm* entry = LookupComm(comm_slot, device);
+  if (entry == nullptr) {
+    // Internal, as every error of a running collective: JAX raises JaxRuntimeError
+    // for it on every dispatch path (InvalidArgument becomes a ValueError on some).
+    return ffi::Error::Internal(std::string("mpicoll.") + c.name +
+                                ": no communicator registered for slot " +
+                                std::to_string(comm_slot) + " on device " +
+                                std::to_string(device) +
+                                " (freed, or the program outlived its communicator)");
+  }
+  c.comm = entry->comm;
+  c.internal_comm = entry->internal;
+  c.rank = entry->rank;
+  c.size = entry->size;
+  return ffi::Error::Success();
+}
+
+}  // namespace mpicoll

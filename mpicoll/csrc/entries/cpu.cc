@@ -1,0 +1,232 @@
+// The CPU entry points: XLA's host buffers are MPI's (HostMemory), one
+// handler per collective and kind (data, fused, overlapped), instantiated
+// from ops.def; the barrier, which every platform shares; the registrations.
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/algorithms.h"
+#include "../core/call.h"
+#include "../core/collectives.h"
+#include "../core/comm_table.h"
+#include "../core/execute.h"
+#include "../core/guard.h"
+#include "../memory/host.h"
+#include "../ops.def"
+#include "entries.h"
+#include "fused.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+namespace {
+
+template <typename Op>
+ffi::Error CpuEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                    ffi::Result<ffi::AnyBuffer> out, int32_t device, int64_t comm_slot,
+                    int64_t root, int64_t op, int64_t site, ffi::Span<const int64_t> args) {
+  Call c{};
+  if (ffi::Error err = PrepareArray<Op>(c, x, out, device, comm_slot, root, op, site, args);
+      err.failure()) {
+    return err;
+  }
+  HostMemory memory;
+  ffi::Error err = Execute<Op>(c, device, memory, [&] { return DescribeArray<Op>(c, x); });
+  if (err.success()) RecordStatus<Op>(c, device);
+  return err;
+}
+
+ffi::Error CpuStatusEntry(ffi::Token, ffi::Result<ffi::Token>,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out, int32_t device) {
+  if (device < 0 || device >= kMaxLocalDevices || out->element_count() != 2) {
+    return ffi::Error::InvalidArgument("mpicoll status: bad device or output shape");
+  }
+  progress_threads[device].Drain();  // an overlapped recv writes last_status
+  std::memcpy(out->typed_data(), last_status[device], sizeof(last_status[device]));
+  return ffi::Error::Success();
+}
+
+template <typename Op>
+ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
+                         ffi::RemainingRets outs, int32_t device, int64_t comm_slot, int64_t root,
+                         int64_t op, int64_t site) {
+  Call c{};
+  thread_local FusedArrays arrays;
+  if (ffi::Error err = PrepareFused<Op>(c, arrays, xs, outs, device, comm_slot, root, op, site);
+      err.failure()) {
+    return err;
+  }
+  thread_local std::vector<char> packed_in, packed_out;
+  return RunFused<Op>(c, arrays, packed_in, packed_out, device, "");
+}
+
+// ---------------------------------------------------------------------------
+// Overlapped handlers (see progress.h): the same calls, run on the device's
+// progress thread while XLA goes on with work that does not need the result.
+// The handler decodes the call on XLA's thread (a freed communicator fails at
+// once), copies what the job needs out of XLA's call frame, which does not
+// outlive the handler, queues the job and returns a future the job completes.
+// XLA keeps the buffers alive, and runs nothing that reads the output or the
+// token, until then.  The check's description says "overlapped", so ranks
+// that disagree on overlapping a call get the mismatch error, not a hang.
+constexpr const char* kOverlappedSuffix = ", overlapped";
+
+ffi::Future CompletedFuture(const ffi::Error& err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (err.failure()) {
+    promise.SetError(err);
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Queues run() (returning ffi::Error) on the device's progress thread.
+template <typename Run>
+ffi::Future Overlap(int32_t device, Run&& run) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
+    ffi::Error err = run();
+    if (err.failure()) {
+      promise.SetError(std::move(err));
+    } else {
+      promise.SetAvailable();
+    }
+  });
+  return future;
+}
+
+// Point-to-point calls have only two ranks in a message: no barrier over the
+// communicator before them.
+template <typename Op>
+struct ArrivalWait {
+  int operator()(const Call& c) const {
+    if constexpr (Op::kFamily == kPeer) return MPI_SUCCESS;
+    return WaitForArrivals(c);
+  }
+};
+
+struct OverlappedArray {
+  Call c{};
+  std::vector<int64_t> args, dims;
+  ffi::DataType dtype;
+};
+
+template <typename Op>
+ffi::Future CpuOverlappedEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                               ffi::Result<ffi::AnyBuffer> out, int32_t device,
+                               int64_t comm_slot, int64_t root, int64_t op, int64_t site,
+                               ffi::Span<const int64_t> args) {
+  auto call = std::make_shared<OverlappedArray>();
+  if (ffi::Error err =
+          PrepareArray<Op>(call->c, x, out, device, comm_slot, root, op, site, args);
+      err.failure()) {
+    return CompletedFuture(err);
+  }
+  call->args.assign(args.begin(), args.end());
+  call->c.args = call->args.data();
+  call->dims.assign(x.dimensions().begin(), x.dimensions().end());
+  call->dtype = x.element_type();
+  return Overlap(device, [call, device] {
+    Call& c = call->c;
+    HostMemory memory;
+    ffi::Error err = Execute<Op>(
+        c, device, memory,
+        [&] { return DescribeShape<Op>(c, call->dtype, call->dims) + kOverlappedSuffix; },
+        ArrivalWait<Op>{});
+    if (err.success()) RecordStatus<Op>(c, device);
+    return err;
+  });
+}
+
+// A fused call packs into buffers of its own (the synchronous path's are per
+// thread, and several overlapped calls may be queued at once).
+struct OverlappedFused {
+  Call c{};
+  FusedArrays arrays;
+  std::vector<char> packed_in, packed_out;
+};
+
+template <typename Op>
+ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
+                                    ffi::RemainingRets outs, int32_t device, int64_t comm_slot,
+                                    int64_t root, int64_t op, int64_t site) {
+  auto call = std::make_shared<OverlappedFused>();
+  if (ffi::Error err =
+          PrepareFused<Op>(call->c, call->arrays, xs, outs, device, comm_slot, root, op, site);
+      err.failure()) {
+    return CompletedFuture(err);
+  }
+  return Overlap(device, [call, device] {
+    return RunFused<Op>(call->c, call->arrays, call->packed_in, call->packed_out, device,
+                        kOverlappedSuffix, ArrivalWait<Op>{});
+  });
+}
+
+ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
+                        int64_t site) {
+  Call c{};
+  c.name = "barrier";
+  c.site = site;
+  if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
+  progress_threads[device].Drain();
+  InFlightScope watched(c, device);
+  if (ffi::Error err = CheckSameCall(c, device, "barrier()"); err.failure()) return err;
+  if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
+  return ffi::Error::Success();
+}
+
+#define MPICOLL_CPU_HANDLERS(Type, ...)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuData_##Type, CpuEntry<Type>,                           \
+                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFused_##Type, CpuFusedEntry<Type>,                     \
+                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedData_##Type, CpuOverlappedEntry<Type>,       \
+                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedFused_##Type, CpuOverlappedFusedEntry<Type>, \
+                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));
+MPICOLL_OPS(MPICOLL_CPU_HANDLERS)
+#undef MPICOLL_CPU_HANDLERS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuStatusHandler, CpuStatusEntry,
+                              MPICOLL_STATUS_BINDING(MPICOLL_NO_CONTEXT));
+
+}  // namespace
+
+// The barrier has no buffers and no stream work: one handler for every platform.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("site"));
+
+#define MPICOLL_CPU_REGISTRATION(Type, text, ...) MPICOLL_REGISTRATION(Cpu, Type, text)
+// Overlapped handlers are CPU-only for now: mpicoll_<op>_overlapped[_fused].
+#define MPICOLL_CPU_OVERLAPPED_REGISTRATION(Type, text, ...)                           \
+  registrations.push_back({std::string("mpicoll_") + text + "_overlapped",            \
+                           CpuOverlappedData_##Type});                                \
+  if (Type::kFamily == kBlocks) {                                                      \
+    registrations.push_back({std::string("mpicoll_") + text + "_overlapped_fused",    \
+                             CpuOverlappedFused_##Type});                              \
+  }
+std::vector<Registration> CpuRegistrations() {
+  std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
+                                          {"mpicoll_status", CpuStatusHandler},
+                                          {"mpicoll_allreduce_local", CpuLocalAllreduce}};
+  MPICOLL_OPS(MPICOLL_CPU_REGISTRATION)
+  MPICOLL_OPS(MPICOLL_CPU_OVERLAPPED_REGISTRATION)
+  return registrations;
+}
+#undef MPICOLL_CPU_OVERLAPPED_REGISTRATION
+#undef MPICOLL_CPU_REGISTRATION
+
+
+}  // namespace mpicoll

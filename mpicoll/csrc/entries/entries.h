@@ -1,0 +1,90 @@
+// What the entry points share: the FFI bindings (one per handler kind, the
+// platform's context added), the registration list handed to Python, and the
+// handlers and functions one file defines and another uses.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+
+namespace ffi = xla::ffi;
+
+// Handlers: every data collective has one FFI signature per platform, so one
+// binding serves all of them; `Extra` adds the platform's context (the CUDA
+// stream).  A handler's symbol is <Platform><Kind>_<Op>.
+#define MPICOLL_DATA_BINDING(Extra)                                                    \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Ret<ffi::Token>()                                                               \
+      .Ret<ffi::AnyBuffer>() Extra                                                     \
+      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Attr<int64_t>("comm")                                                           \
+      .Attr<int64_t>("root")                                                           \
+      .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")                                                         \
+      .Attr<ffi::Span<const int64_t>>("args")
+#define MPICOLL_FUSED_BINDING(Extra)                                                   \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .RemainingArgs()                                                                 \
+      .Ret<ffi::Token>()                                                               \
+      .RemainingRets() Extra                                                           \
+      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Attr<int64_t>("comm")                                                           \
+      .Attr<int64_t>("root")                                                           \
+      .Attr<int64_t>("op")                                                             \
+      .Attr<int64_t>("site")
+#define MPICOLL_NO_CONTEXT
+
+#define MPICOLL_STATUS_BINDING(Extra)                                                  \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Token>()                                                               \
+      .Ret<ffi::Token>()                                                               \
+      .Ret<ffi::Buffer<ffi::S32>>() Extra                                              \
+      .Ctx<ffi::DeviceOrdinal>()
+
+// An FFI target: its name (mpicoll_<op>[_overlapped][_fused], ...) and handler.
+struct Registration {
+  std::string name;
+  XLA_FFI_Handler* handler;
+};
+
+// Every op's handler, and the fused one for the rank-block family (pytrees).
+#define MPICOLL_REGISTRATION(Platform, Type, text)                                    \
+  registrations.push_back({std::string("mpicoll_") + text, Platform##Data_##Type});   \
+  if (Type::kFamily == kBlocks) {                                                      \
+    registrations.push_back({std::string("mpicoll_") + text + "_fused",                \
+                             Platform##Fused_##Type});                                 \
+  }
+
+// entries/cpu.cc: the CPU targets; the barrier, which serves every platform.
+std::vector<Registration> CpuRegistrations();
+XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
+
+// local_combine.cc: the global allreduce of small arrays.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalAllreduce);
+
+// entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
+// Runs collective `name` (a rank-block one) on `comm` from `in` to `out`
+// through StagedMemory with memcpy copies, `chunk_bytes` a pipeline chunk;
+// "" or what failed.
+std::string RunStagedOnHost(const char* name, MPI_Comm comm, ffi::DataType dtype, char* in,
+                            size_t in_count, char* out, size_t out_count, int root, int64_t op,
+                            size_t chunk_bytes);
+
+#ifdef MPICOLL_CUDA
+// entries/cuda.cc: the CUDA targets, and the GPU memory strategy they use:
+// CUDA-aware MPI or pinned staging with `chunk_bytes` pipeline chunks.
+std::vector<Registration> CudaRegistrations();
+void SetGpuTransport(bool cuda_aware, size_t chunk_bytes);
+#endif
+
+}  // namespace mpicoll

@@ -1,0 +1,470 @@
+// The CPython module `mpicoll._mpicoll_ffi`: the FFI targets' registrations,
+// set-up (initialize, register_comm), settings (check mode, timeout,
+// serialized MPI, GPU transport), and the tables as Python data
+// (reduction_ops(), collectives(), op_codes()).
+//
+// How the extension is built: several translation units, listed in setup.py
+// and linked into this one module:
+//   module.cc              this file
+//   entries/cpu.cc         CPU handlers (data, fused, overlapped), the barrier
+//   entries/cuda.cc        CUDA handlers (empty without MPICOLL_CUDA)
+//   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
+//   local_combine.cc       the local devices' meeting for small global allreduces
+// They share core/ and memory/, which are headers: every function there is a
+// template or `inline` and every piece of state an `inline` variable (C++17),
+// so each exists once in the module whichever units include it, and each
+// header includes what it uses.  Separate units rather than one that
+// #includes the others: a .cc file's private helpers stay private (unnamed
+// namespace), the CUDA unit can be compiled (or syntax-checked) alone, and
+// the hot path loses nothing, since what it calls is inline in its own unit.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <mpi.h>
+#if defined(OMPI_MAJOR_VERSION) && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/algorithms.h"
+#include "core/collectives.h"
+#include "core/comm_table.h"
+#include "core/dtypes.h"
+#include "core/guard.h"
+#include "core/reduce_ops.h"
+#include "entries/entries.h"
+#include "ops.def"
+#include "xla/ffi/api/ffi.h"
+#ifdef MPICOLL_CUDA
+#include "memory/cuda_driver.h"
+#endif
+
+namespace mpicoll {
+namespace {
+
+PyObject* RegistrationDict(const std::vector<Registration>& registrations) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  for (const Registration& r : registrations) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(r.handler), nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(dict, r.name.c_str(), capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return dict;
+}
+
+// FFI target name -> handler capsule, per platform ("cpu", and "cuda" when built with it).
+PyObject* Registrations(PyObject*, PyObject* args) {
+  const char* platform = "cpu";
+  if (!PyArg_ParseTuple(args, "|s", &platform)) return nullptr;
+  if (std::strcmp(platform, "cpu") == 0) return RegistrationDict(CpuRegistrations());
+#ifdef MPICOLL_CUDA
+  if (std::strcmp(platform, "cuda") == 0) return RegistrationDict(CudaRegistrations());
+#endif
+  PyErr_Format(PyExc_ValueError, "mpicoll: this build has no handlers for platform %s",
+               platform);
+  return nullptr;
+}
+
+bool initialized = false;
+
+// Called once MPI is initialized (by mpi4py): checks the thread level and
+// creates the operators for 16-bit floats.
+PyObject* Initialize(PyObject*, PyObject*) {
+  if (initialized) Py_RETURN_NONE;
+  int flag = 0;
+  MPI_Initialized(&flag);
+  if (!flag) {
+    PyErr_SetString(PyExc_RuntimeError, "mpicoll: MPI is not initialized");
+    return nullptr;
+  }
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  if (CreateReductionOps() != MPI_SUCCESS) {
+    PyErr_SetString(PyExc_RuntimeError, "mpicoll: creating the reduction operators failed");
+    return nullptr;
+  }
+  initialized = true;
+  return PyLong_FromLong(provided);
+}
+
+PyObject* RegisterComm(PyObject*, PyObject* args) {
+  long long key;
+  int device;
+  unsigned long long handle;
+  if (!PyArg_ParseTuple(args, "LiK", &key, &device, &handle)) return nullptr;
+  if (key < 0 || device < 0 || device >= kMaxLocalDevices) {
+    PyErr_Format(PyExc_ValueError, "mpicoll: communicator key %lld / device %d out of range "
+                 "(at most %d local devices)", key, device, kMaxLocalDevices);
+    return nullptr;
+  }
+  if (int rc = RegisterDeviceComm(key, device, HandleFromInteger<MPI_Comm>(handle));
+      rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+    text[len] = '\0';
+    PyErr_Format(PyExc_ValueError, "mpicoll: cannot register communicator %lld: %s", key, text);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* UnregisterComm(PyObject*, PyObject* args) {
+  long long key;
+  if (!PyArg_ParseTuple(args, "L", &key)) return nullptr;
+  UnregisterDeviceComms(key);
+  Py_RETURN_NONE;
+}
+
+PyObject* BuildInfo(PyObject*, PyObject*) {
+#if defined(OMPI_MAJOR_VERSION)
+  const char* vendor = "Open MPI";
+  PyObject* version = Py_BuildValue("(iii)", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
+                                    OMPI_RELEASE_VERSION);
+#elif defined(I_MPI_NUMVERSION)  // before MPICH: Intel MPI defines MPICH_NUMVERSION too
+  const char* vendor = "Intel MPI";
+  PyObject* version = Py_BuildValue("(iii)", static_cast<int>(I_MPI_NUMVERSION / 10000000),
+                                    static_cast<int>((I_MPI_NUMVERSION / 100000) % 100),
+                                    static_cast<int>((I_MPI_NUMVERSION / 1000) % 100));
+#elif defined(MPICH_NUMVERSION)
+  const char* vendor = "MPICH";
+  PyObject* version = Py_BuildValue("(iii)", MPICH_NUMVERSION / 10000000,
+                                    (MPICH_NUMVERSION / 100000) % 100,
+                                    (MPICH_NUMVERSION / 1000) % 100);
+#else
+  const char* vendor = "unknown";
+  PyObject* version = Py_BuildValue("()");
+#endif
+  if (!version) return nullptr;
+#ifdef MPICOLL_CUDA
+  PyObject* platforms = Py_BuildValue("(ss)", "cpu", "cuda");
+#else
+  PyObject* platforms = Py_BuildValue("(s)", "cpu");
+#endif
+  if (!platforms) return nullptr;
+  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i,s:N}", "mpi_vendor", vendor, "mpi_version",
+                       version, "mpi_standard_version", MPI_VERSION, "mpi_standard_subversion",
+                       MPI_SUBVERSION, "max_comms", kMaxComms, "max_local_devices",
+                       kMaxLocalDevices, "platforms", platforms);
+}
+
+// Whether this MPI takes CUDA device pointers in its calls: True or False where
+// the MPI can say (Open MPI's MPIX_Query_cuda_support, MPICH's
+// MPIX_GPU_query_support; both answer at run time, e.g. for a library built with
+// CUDA but run with GPU support switched off), None where it cannot.
+PyObject* CudaAwareMpi(PyObject*, PyObject*) {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return PyBool_FromLong(MPIX_Query_cuda_support());
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  Py_RETURN_FALSE;  // Open MPI built without CUDA
+#elif defined(MPIX_GPU_SUPPORT_CUDA)
+  int supported = 0;
+  if (MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) != MPI_SUCCESS) Py_RETURN_NONE;
+  return PyBool_FromLong(supported);
+#else
+  Py_RETURN_NONE;
+#endif
+}
+
+// The reduction operators by name, so Python never duplicates the numbering.
+PyObject* OpCodes(PyObject*, PyObject*) {
+  PyObject* codes = PyDict_New();
+  for (int64_t code = 0; codes && code < kNumOps; ++code) {
+    PyObject* value = PyLong_FromLongLong(code);
+    if (!value || PyDict_SetItemString(codes, kReduceOps[code].name, value) < 0) Py_CLEAR(codes);
+    Py_XDECREF(value);
+  }
+  return codes;
+}
+
+// reduce_ops.def as Python data: name -> (code, the dtype families it is defined for).
+PyObject* ReductionOps(PyObject*, PyObject*) {
+  PyObject* ops = PyDict_New();
+  for (int64_t code = 0; ops && code < kNumOps; ++code) {
+    const ReduceOpFacts& facts = kReduceOps[code];
+    PyObject* families = PyList_New(0);
+    const std::pair<bool, const char*> valid[] = {{facts.bool_, "bool"},
+                                                  {facts.integer, "integer"},
+                                                  {facts.floating, "floating"},
+                                                  {facts.complex, "complex"}};
+    for (const auto& [is_valid, family] : valid) {
+      if (!families || !is_valid) continue;
+      PyObject* text = PyUnicode_FromString(family);
+      if (!text || PyList_Append(families, text) < 0) Py_CLEAR(families);
+      Py_XDECREF(text);
+    }
+    PyObject* row = families ? Py_BuildValue("(LN)", static_cast<long long>(code),
+                                             PyList_AsTuple(families))
+                             : nullptr;
+    Py_XDECREF(families);
+    if (!row || PyDict_SetItemString(ops, facts.name, row) < 0) Py_CLEAR(ops);
+    Py_XDECREF(row);
+  }
+  return ops;
+}
+
+const char* FamilyName(Family family) {
+  switch (family) {
+    case kBlocks: return "blocks";
+    case kVector: return "vector";
+    case kVectorPairs: return "vector_pairs";
+    case kPeer: return "peer";
+  }
+  return "?";
+}
+
+const char* ZerosName(Zeros zeros) {
+  switch (zeros) {
+    case kNever: return "never";
+    case kOffRoot: return "off_root";
+    case kOnRankZero: return "on_rank_zero";
+    case kFromProcNull: return "from_proc_null";
+  }
+  return "?";
+}
+
+// ops.def as Python data: name -> the row's facts.
+PyObject* Collectives(PyObject*, PyObject*) {
+  PyObject* collectives = PyDict_New();
+#define MPICOLL_COLLECTIVE_FACTS(Type, ...)                                                    \
+  if (collectives) {                                                                          \
+    PyObject* row = Py_BuildValue(                                                            \
+        "{s:s,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:s}", "family", FamilyName(Type::kFamily),           \
+        "reduces", Type::kReduces ? Py_True : Py_False, "rooted",                              \
+        Type::kRooted ? Py_True : Py_False, "blocks_in", Type::kBlocksIn ? Py_True : Py_False, \
+        "blocks_out", Type::kBlocksOut ? Py_True : Py_False, "in_place",                       \
+        Type::kInPlace ? Py_True : Py_False, "root_input",                                     \
+        Type::kRootInput ? Py_True : Py_False, "chunked", Type::kChunked ? Py_True : Py_False, \
+        "zeros", ZerosName(Type::kZeros));                                                      \
+    if (!row || PyDict_SetItemString(collectives, Type::kName, row) < 0) Py_CLEAR(collectives); \
+    Py_XDECREF(row);                                                                          \
+  }
+  MPICOLL_OPS(MPICOLL_COLLECTIVE_FACTS)
+#undef MPICOLL_COLLECTIVE_FACTS
+  return collectives;
+}
+
+// Test only: (collective, comm handle, dtype name, x, out, root, op, chunk bytes)
+// runs the GPU staging pipeline on host arrays (entries/host_staged.cc).
+PyObject* RunStagedOnHostPy(PyObject*, PyObject* args) {
+  const char* name;
+  unsigned long long handle;
+  const char* dtype_name;
+  Py_buffer x, out;
+  int root;
+  long long op;
+  unsigned long long chunk_bytes;
+  if (!PyArg_ParseTuple(args, "sKsy*w*iLK", &name, &handle, &dtype_name, &x, &out, &root, &op,
+                        &chunk_bytes)) {
+    return nullptr;
+  }
+  const ffi::DataType dtype = DtypeFromName(dtype_name);
+  std::string error = dtype == ffi::DataType::INVALID ? "mpicoll: unsupported dtype" : "";
+  if (error.empty()) {
+    const size_t elem_bytes = ffi::ByteWidth(dtype);
+    char* in_data = static_cast<char*>(x.buf);
+    char* out_data = static_cast<char*>(out.buf);
+    const size_t in_count = static_cast<size_t>(x.len) / elem_bytes;
+    const size_t out_count = static_cast<size_t>(out.len) / elem_bytes;
+    Py_BEGIN_ALLOW_THREADS
+    error = RunStagedOnHost(name, HandleFromInteger<MPI_Comm>(handle), dtype, in_data, in_count,
+                            out_data, out_count, root, op, static_cast<size_t>(chunk_bytes));
+    Py_END_ALLOW_THREADS
+  }
+  PyBuffer_Release(&x);
+  PyBuffer_Release(&out);
+  if (!error.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// Python's collective communicator setup, watched like a collective.
+PyObject* BeginSetup(PyObject*, PyObject* args) {
+  const char* description;
+  if (!PyArg_ParseTuple(args, "s", &description)) return nullptr;
+  InFlight& slot = in_flight[kSetupSlot];
+  slot.started_ns.store(0);
+  setup_description = description;
+  slot.name.store(setup_description.c_str());
+  slot.started_ns.store(NowNs());
+  Py_RETURN_NONE;
+}
+
+PyObject* EndSetup(PyObject*, PyObject*) {
+  in_flight[kSetupSlot].started_ns.store(0);
+  Py_RETURN_NONE;
+}
+
+// The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
+PyObject* ReplacedSums(PyObject*, PyObject*) {
+  PyObject* names = PyList_New(0);
+  if (!names) return nullptr;
+  for (int i = 0; i < kNumNarrowInts; ++i) {
+    if (wrapping_sums[i] == MPI_OP_NULL) continue;
+    PyObject* name = PyUnicode_FromString(kNarrowIntNames[i]);
+    if (!name || PyList_Append(names, name) < 0) {
+      Py_XDECREF(name);
+      Py_DECREF(names);
+      return nullptr;
+    }
+    Py_DECREF(name);
+  }
+  return names;
+}
+
+PyObject* SetCheckMode(PyObject*, PyObject* arg) {
+  long mode = PyLong_AsLong(arg);
+  if (mode == -1 && PyErr_Occurred()) return nullptr;
+  if (mode < kCheckOff || mode > kCheckEveryCall) {
+    PyErr_SetString(PyExc_ValueError, "check mode must be 0 (off), 1 (first run) or 2 (every call)");
+    return nullptr;
+  }
+  check_mode.store(static_cast<int>(mode));
+  Py_RETURN_NONE;
+}
+
+// (min block bytes, segment bytes) -> the previous pair; (-1, -1) only reads.
+PyObject* PairwiseReduceScatterSizes(PyObject*, PyObject* args) {
+  long long min_block = -1, segment = -1;
+  if (!PyArg_ParseTuple(args, "|LL", &min_block, &segment)) return nullptr;
+  const unsigned long long old_min = pairwise_min_block_bytes.load(),
+                           old_segment = pairwise_segment_bytes.load();
+  if (min_block >= 0) pairwise_min_block_bytes.store(static_cast<size_t>(min_block));
+  if (segment > 0) pairwise_segment_bytes.store(static_cast<size_t>(segment));
+  return Py_BuildValue("(KK)", old_min, old_segment);
+}
+
+PyObject* ComparisonsMade(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(comparisons_made.load());
+}
+
+// (slot, device, description) -> "" or the mismatch message (see CompareAcrossRanks).
+PyObject* CompareCall(PyObject*, PyObject* args) {
+  long long slot;
+  int device;
+  const char* description;
+  if (!PyArg_ParseTuple(args, "Lis", &slot, &device, &description)) return nullptr;
+  const DeviceComm* entry = LookupComm(slot, device);
+  if (entry == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll: no communicator registered for this slot");
+    return nullptr;
+  }
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS
+  {  // released before the GIL is taken back
+    SerializedMpiScope serialized;
+    message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+  }
+  Py_END_ALLOW_THREADS
+  return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
+}
+
+PyObject* SetTimeout(PyObject*, PyObject* arg) {
+  double seconds = PyFloat_AsDouble(arg);
+  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
+  timeout_seconds.store(seconds > 0 ? seconds : 0.0);
+  if (seconds > 0 && !watchdog_started.exchange(true)) std::thread(Watchdog).detach();
+  Py_RETURN_NONE;
+}
+
+// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
+PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  serialize_mpi_calls.store(on != 0);
+  Py_RETURN_NONE;
+}
+
+PyObject* PyAbortJob(PyObject*, PyObject* arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred()) return nullptr;
+  AbortJob(static_cast<int>(code));
+}
+
+#ifdef MPICOLL_CUDA
+// Python: set_gpu_transport(cuda_aware: bool, chunk_bytes: int).
+PyObject* SetGpuTransportPy(PyObject*, PyObject* args) {
+  int cuda_aware;
+  unsigned long long chunk_bytes;
+  if (!PyArg_ParseTuple(args, "pK", &cuda_aware, &chunk_bytes)) return nullptr;
+  SetGpuTransport(cuda_aware != 0, static_cast<size_t>(chunk_bytes));
+  Py_RETURN_NONE;
+}
+
+// Python: cuda_driver() -> {"error": str or None, "version": int, "devices": int}.
+PyObject* CudaDriverInfo(PyObject*, PyObject*) {
+  const CudaDriver& cu = Driver();
+  int devices = 0;
+  if (cu.error.empty()) cu.cuDeviceGetCount(&devices);
+  if (!cu.error.empty()) {
+    return Py_BuildValue("{s:s,s:i,s:i}", "error", cu.error.c_str(), "version", 0, "devices", 0);
+  }
+  return Py_BuildValue("{s:O,s:i,s:i}", "error", Py_None, "version", cu.version, "devices",
+                       devices);
+}
+#endif
+
+PyMethodDef methods[] = {
+    {"set_check_mode", SetCheckMode, METH_O,
+     "Compare call fingerprints across ranks: 0 never, 1 each call site's first run, 2 always."},
+    {"pairwise_reduce_scatter", PairwiseReduceScatterSizes, METH_VARARGS,
+     "(min block bytes, segment bytes) of mpicoll's own reduce-scatter -> the previous pair; "
+     "a negative value leaves that one; every rank must set the same."},
+    {"comparisons_made", ComparisonsMade, METH_NOARGS,
+     "How many times this process has compared a call across ranks."},
+    {"compare_call", CompareCall, METH_VARARGS,
+     "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
+    {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
+    {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
+    {"reduction_ops", ReductionOps, METH_NOARGS,
+     "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},
+    {"collectives", Collectives, METH_NOARGS,
+     "Collective name -> its row of ops.def (family, reduces, rooted, blocks_in, ...)."},
+    {"_run_staged_on_host", RunStagedOnHostPy, METH_VARARGS,
+     "Test only: (collective, comm handle, dtype, x, out, root, op, chunk bytes) runs the GPU "
+     "staging pipeline on host arrays."},
+    {"registrations", Registrations, METH_VARARGS,
+     "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
+#ifdef MPICOLL_CUDA
+    {"set_gpu_transport", SetGpuTransportPy, METH_VARARGS,
+     "Choose the GPU memory strategy: (cuda_aware, pipeline chunk bytes)."},
+    {"cuda_driver", CudaDriverInfo, METH_NOARGS, "The CUDA driver: error, version, devices."},
+#endif
+    {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
+    {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
+    {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
+     "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
+    {"begin_setup", BeginSetup, METH_VARARGS,
+     "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
+    {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
+    {"set_serialized_mpi", SetSerializedMpi, METH_O,
+     "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
+    {"abort_job", PyAbortJob, METH_O,
+     "Abort every rank with this exit code, after letting the launcher forward stderr."},
+    {"replaced_sums", ReplacedSums, METH_NOARGS,
+     "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mpicoll_ffi",
+                      "XLA FFI handlers for MPI collectives.", -1, methods};
+
+}  // namespace
+}  // namespace mpicoll
+
+PyMODINIT_FUNC PyInit__mpicoll_ffi() { return PyModule_Create(&mpicoll::module); }
