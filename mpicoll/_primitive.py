@@ -274,7 +274,7 @@ def _fused_primitive(spec, single):
 
 
 # The extension's table of collectives (csrc/ops.def), by name.
-_NATIVE_COLLECTIVES = _native.extension.collectives() if hasattr(_native.extension, "collectives") else None  # TEMP-SHIM
+_NATIVE_COLLECTIVES = _native.extension.collectives()
 _NATIVE_FAMILIES = {"blocks": "blocks", "vector": "vector", "vector_pairs": "vector",
                     "peer": "peer"}
 
@@ -285,7 +285,7 @@ def define(spec):
     The spec must match its row in the extension's table (name, family, root,
     reduction), so the two lists of collectives cannot drift apart.
     """
-    row = _NATIVE_COLLECTIVES.get(spec.name) if _NATIVE_COLLECTIVES is not None else dict(family=spec.family, reduces=spec.reduces, rooted=spec.has_root)  # TEMP-SHIM
+    row = _NATIVE_COLLECTIVES.get(spec.name)
     if row is None:
         raise AssertionError(f"mpicoll: the extension has no collective {spec.name!r}")
     if (_NATIVE_FAMILIES[row["family"]] != spec.family or bool(row["reduces"]) != spec.reduces

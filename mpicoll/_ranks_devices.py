@@ -111,7 +111,7 @@ def _composed_allreduce(x, name, comm, axis_name):
 
 # ---------------------------------------------------------------------------
 # Small arrays: the L device threads combine their data in mpicoll's own
-# handler (csrc/collectives.cc, CpuLocalAllreduceEntry: a meeting of the local
+# handler (csrc/local_combine.cc, CpuLocalAllreduceEntry: a meeting of the local
 # threads, one MPI allreduce by one of them), instead of XLA's collective over
 # the local devices followed by L MPI allreduces.  Measured at 2 ranks x 2
 # devices on 2 cores (Open MPI 4.1, float32 sum, jitted loop of 100, medians

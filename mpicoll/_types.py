@@ -26,12 +26,6 @@ DTYPE_FAMILIES = {
     **{np.dtype(t): COMPLEX for t in (np.complex64, np.complex128)},
 }
 
-# TEMP-SHIM until the extension has reduction_ops()
-if not hasattr(extension, "reduction_ops"):
-    class extension:  # noqa
-        _c = __import__("mpicoll._native", fromlist=["x"]).extension.op_codes()
-        _f = {"sum": ("integer", "floating", "complex"), "prod": ("integer", "floating", "complex"), "min": ("bool", "integer", "floating"), "max": ("bool", "integer", "floating")}
-        reduction_ops = staticmethod(lambda: {n: (c, extension._f.get(n, ("bool", "integer"))) for n, c in extension._c.items()})
 # The reduction ops, their codes and the dtype families each is defined for,
 # from the extension's table (csrc/reduce_ops.def): the one list of them.
 _REDUCTION_OPS = dict(sorted(extension.reduction_ops().items(), key=lambda item: item[1][0]))

@@ -105,8 +105,7 @@ def test_the_reduction_ops_are_the_extensions():
     native = extension.reduction_ops()
     assert list(_types.OP_FAMILIES) == sorted(native, key=lambda name: native[name][0])
     assert _types.OP_CODES == {name: code for name, (code, _) in native.items()}
-    # Every op is usable by name and as mpi4py's op, on some dtype of each valid family.
-    for name, families in _types.OP_FAMILIES.items():
-        assert _types.op_name(name.upper(), "test") == name
-        assert families, name
-
+    # ... and every one is valid by name and as mpi4py's op (MPI.SUM for "sum").
+    from mpi4py import MPI
+    for name in native:
+        assert _types.op_name(getattr(MPI, name.upper()), "test") == name
