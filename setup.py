@@ -90,23 +90,50 @@ def cuda_flags():
     return ["-DMPICOLL_CUDA", "-isystem", include]
 
 
-def compile_command(mpicc, sources, target):
-    """The compiler command line that builds the extension `target` from `sources`."""
+def compile_command(mpicc, sources, target, link=True):
+    """The compiler command line that builds the extension `target` from `sources`
+    (link=False: the object file `target` from one source)."""
+    output = (["-shared", *sources, "-o", target, "-lstdc++", "-ldl"] if link
+              else ["-c", *sources, "-o", target])
     return [
         *shlex.split(mpicc), "-x", "c++", "-std=c++17", "-O3", "-fPIC",
-        "-fvisibility=hidden", "-shared", "-Wall", *MPI_C_ONLY,
+        "-fvisibility=hidden", "-Wall", *MPI_C_ONLY,
         "-isystem", ffi_include_dir(), "-I", sysconfig.get_paths()["include"],
-        *cuda_flags(), *sources, "-o", target, "-lstdc++", "-ldl",
+        *cuda_flags(), *output,
     ]
 
 
 class MPIBuildExt(build_ext):
+    """Each translation unit compiled to an object, as many at once as there are cores
+    (the units are independent; one compiler call for all took 52 s here against
+    36 s for the old single unit), then one link."""
+
     def build_extension(self, ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        command = compile_command(find_mpicc(), ext.sources, target)
-        print(" ".join(command), flush=True)
-        subprocess.check_call(command)
+        mpicc = find_mpicc()
+        objects_dir = os.path.join(self.build_temp, "mpicoll-objects")
+        os.makedirs(objects_dir, exist_ok=True)
+        objects = [os.path.join(objects_dir, source.replace("/", "_") + ".o")
+                   for source in ext.sources]
+        commands = [compile_command(mpicc, [source], obj, link=False)
+                    for source, obj in zip(ext.sources, objects)]
+        parallel = max(1, min(len(commands), os.cpu_count() or 1))
+        pending = list(commands)
+        running = []
+        while pending or running:
+            while pending and len(running) < parallel:
+                command = pending.pop(0)
+                print(" ".join(command), flush=True)
+                running.append((command, subprocess.Popen(command)))
+            command, process = running.pop(0)
+            if process.wait() != 0:
+                for _, other in running:
+                    other.wait()
+                raise subprocess.CalledProcessError(process.returncode, command)
+        link = [*shlex.split(mpicc), "-shared", *objects, "-o", target, "-lstdc++", "-ldl"]
+        print(" ".join(link), flush=True)
+        subprocess.check_call(link)
 
 
 # The extension's translation units (one module; see csrc/module.cc on why
