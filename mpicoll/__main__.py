@@ -5,8 +5,9 @@
 `info` answers "is this job wired up right?": which MPI library and thread level
 (the one mpicoll was compiled against, the one mpi4py loaded, CUDA-awareness),
 how many ranks on which hosts (from MPI itself, cross-checked against the
-launcher's variables), what JAX each rank runs on, and whether one mpicoll
-collective gives the right answer.  It exits non-zero if something is wrong, so
+launcher's variables), what JAX each rank runs on, every setting in force and
+where it came from (a setting that differs between ranks is a problem), and
+whether one mpicoll collective gives the right answer.  It exits non-zero if something is wrong, so
 it doubles as a smoke test of an installation or a batch allocation.
 
 `python -m mpicoll script.py [args]` (or `-m module [args]`) runs a script so
@@ -23,8 +24,8 @@ USAGE = """usage: python -m mpicoll COMMAND
        python -m mpicoll -m module [args]
 
 commands:
-  info    the MPI library, thread level, ranks per host, and each rank's JAX backend and
-          devices (run it under mpiexec / srun like any MPI program)"""
+  info    the MPI library, thread level, ranks per host, the settings in force, and each
+          rank's JAX backend and devices (run it under mpiexec / srun like any MPI program)"""
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
@@ -42,13 +43,19 @@ def _rank_report():
     topo = topology.topology()
     check = topology.cross_check(topo)
     # One collective through XLA and the FFI extension: the installation works
-    # end to end, not just MPI.
-    try:
-        total = int(jax.jit(mpicoll.allreduce)(jnp.ones((), jnp.int32)))
-        collective = (None if total == topo.size
-                      else f"allreduce of ones gave {total}, not {topo.size}")
-    except Exception as error:  # reported, not raised: every rank must reach the gather
-        collective = f"{type(error).__name__}: {error}"
+    # end to end, not just MPI.  Not where the ranks' settings differ (compared
+    # over mpi4py first): a check mode on one rank only would break it.
+    settings = _settings_report()
+    values = [value for _, value, _ in settings]
+    if any(other != values for other in MPI.COMM_WORLD.allgather(values)):
+        collective = "not run: the ranks' settings differ"
+    else:
+        try:
+            total = int(jax.jit(mpicoll.allreduce)(jnp.ones((), jnp.int32)))
+            collective = (None if total == topo.size
+                          else f"allreduce of ones gave {total}, not {topo.size}")
+        except Exception as error:  # reported, not raised: every rank must reach the gather
+            collective = f"{type(error).__name__}: {error}"
     return {
         "topology": topo,
         "compared": check.compared,
@@ -62,9 +69,57 @@ def _rank_report():
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.local_devices()],
+        "settings": settings,
         **_mpi_build_report(),
         **_gpu_report(),
     }
+
+
+# --- The settings in force -----------------------------------------------------------
+
+def _settings_report():
+    """[(name, value, where it came from)]: every setting as this rank has it now."""
+    import dataclasses
+
+    import mpicoll
+    from mpicoll import _settings
+
+    settings, sources = _settings.current(), _settings.sources()
+    # Those with a setter report their value now (a script may have changed it).
+    now = {"check": mpicoll.check_mode(), "autodiff": mpicoll.autodiff_mode(),
+           "dispatch": mpicoll.dispatch_mode()}
+    rows = []
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        where = sources[field.name]
+        if field.name == "dispatch" and value == "default":
+            value, where = now["dispatch"], "default (device-order where JAX allows it)"
+        elif field.name in now and now[field.name] != value:
+            value, where = now[field.name], f"set in the program ({where}: {value})"
+        elif field.name == "abort_on_error" and value is None:
+            value, where = _abort_on_error_in_force(), "default (on with more than one rank)"
+        rows.append((field.name, value, where))
+    return rows
+
+
+def _abort_on_error_in_force():
+    return sys.excepthook.__module__ == "mpicoll.failures"
+
+
+def _settings_lines(reports):
+    """The settings of rank 0, and a problem for each setting the ranks disagree on."""
+    lines = ["settings:      (MPICOLL_* variables, read at import; README: Settings)"]
+    width = max(len(name) for name, _, _ in reports[0]["settings"])
+    for name, value, where in reports[0]["settings"]:
+        lines.append(f"  {name:<{width}}  {value!s:<12} {where}")
+    problems = []
+    for index, (name, value, _) in enumerate(reports[0]["settings"]):
+        differ = sorted({r["topology"].rank for r in reports
+                         if r["settings"][index][1] != value})
+        if differ:
+            problems.append(f"setting {name} differs from rank 0's ({value!s}) on rank(s) "
+                            f"{_ranges(differ)}: ranks that disagree on it can hang or fail")
+    return lines, problems
 
 
 # --- The MPI mpicoll was built with ------------------------------------------------
@@ -208,6 +263,8 @@ def _format(reports):
     gpu_lines, gpu_problems = _gpu_lines(reports)
     lines += gpu_lines
     build_problems += gpu_problems
+    settings_lines, settings_problems = _settings_lines(reports)
+    build_problems += settings_problems
     from ._native import extension
     replaced = extension.replaced_sums()
     if replaced:
@@ -243,6 +300,7 @@ def _format(reports):
     if not any(r["collective"] for r in reports):
         lines.append(f"mpicoll:       allreduce over {topo.size} rank(s) inside jax.jit: ok")
 
+    lines += settings_lines
     lines.append("per rank:")
     width = len(str(topo.size - 1))
     for r in reports:

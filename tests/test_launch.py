@@ -97,6 +97,19 @@ def test_info_catches_duplicate_local_ranks():
     assert _duplicate_local_ranks(reports) == []
 
 
+def test_info_reports_settings_that_differ_between_ranks():
+    from mpicoll.__main__ import _settings_lines
+    settings = [("check", "first-run", "default"), ("timeout", 0.0, "default")]
+    reports = [{"topology": _topo(rank=r, local_rank=r), "settings": list(settings)}
+               for r in range(3)]
+    lines, problems = _settings_lines(reports)
+    assert problems == [] and lines[1].split() == ["check", "first-run", "default"]
+    reports[2]["settings"][0] = ("check", "off", "MPICOLL_CHECK=0")
+    _, problems = _settings_lines(reports)
+    assert problems == ["setting check differs from rank 0's (first-run) on rank(s) 2: ranks "
+                        "that disagree on it can hang or fail"]
+
+
 def test_cross_check_foreign_mpiexec():
     """An mpiexec of another MPI: N processes, each a singleton."""
     check = topology.cross_check(_topo(size=1, local_size=1), {"PMI_RANK": "1", "PMI_SIZE": "2"})
@@ -161,6 +174,24 @@ def test_info_serial():
     assert f"mpi4py loads:  {vendor} {'.'.join(map(str, version))} (" in result.stdout
     cuda = {True: "yes", False: "no", None: "unknown"}[extension.cuda_aware_mpi()]
     assert f"CUDA-aware:    {cuda}" in result.stdout
+
+
+@serial_only
+def test_info_shows_every_setting_and_where_it_came_from():
+    env = {**os.environ, "MPICOLL_CHECK": "1", "MPICOLL_SPLIT_ALLREDUCE_BYTES": "4096",
+           "MPICOLL_DISPATCH": "", "MPICOLL_TIMEOUT": ""}
+    result = subprocess.run([sys.executable, "-m", "mpicoll", "info"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in
+            result.stdout.split("settings:", 1)[1].split("per rank:")[0].splitlines()[1:]}
+    import dataclasses
+    from mpicoll import _settings
+    assert set(rows) == {f.name for f in dataclasses.fields(_settings.Settings)}
+    assert rows["check"] == ["every-call", "MPICOLL_CHECK=1"]
+    assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4096"]
+    assert rows["timeout"] == ["0.0", "default"]
+    assert rows["dispatch"][0] in ("device-order", "tokens")
 
 
 def test_cuda_aware_mpi_is_known_for_mpich_4_and_open_mpi():
