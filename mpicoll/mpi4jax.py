@@ -40,12 +40,19 @@ __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "
            "scan", "scatter", "send", "sendrecv", "has_cuda_support", "has_sycl_support"]
 
 
+# What each function returns, to say how a pre-0.8 call (with a token) is written now.
+_RETURNS_NOTHING = ("barrier", "send")
+
+
 def _no_token(name, token):
     if token is not _NOTSET:
+        before, now = ((f"token = mpi4jax.{name}(..., token=token)", f"mpi4jax.{name}(...)")
+                       if name in _RETURNS_NOTHING else
+                       (f"result, token = mpi4jax.{name}(..., token=token)",
+                        f"result = mpi4jax.{name}(...)"))
         raise RuntimeError(
             f"mpicoll.mpi4jax.{name}: tokens are not passed explicitly (as in mpi4jax >= 0.8, "
-            "ordering is automatic): write `result = mpi4jax.allgather(x)` instead of "
-            "`result, token = mpi4jax.allgather(x, token=token)`")
+            f"ordering is automatic): write `{now}` instead of `{before}`")
 
 
 def _rank(comm, name):

@@ -152,9 +152,14 @@ def test_gradients_agree_with_mpi4jax():
         np.testing.assert_allclose(np.asarray(grad), expect, rtol=1e-12)
 
 
-def test_tokens_raise_like_mpi4jax():
-    with pytest.raises(RuntimeError, match="tokens are not passed explicitly"):
+def test_tokens_raise_like_mpi4jax_naming_the_function_called():
+    with pytest.raises(RuntimeError, match="tokens are not passed explicitly") as error:
         adapter.allreduce(jnp.ones(2), MPI.SUM, token=object())
+    assert ("write `result = mpi4jax.allreduce(...)` instead of "
+            "`result, token = mpi4jax.allreduce(..., token=token)`") in str(error.value)
+    with pytest.raises(RuntimeError, match=r"write `mpi4jax.barrier\(...\)` instead of "
+                                           r"`token = mpi4jax.barrier\(..., token=token\)`"):
+        adapter.barrier(token=object())
     assert isinstance(adapter.has_cuda_support(), bool)
     assert adapter.has_sycl_support() is False
 
