@@ -103,6 +103,7 @@ def _register(comm, caller):
     if not _free_slots:
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")
+    _map_device_ordinals()
     index = _free_slots.pop()
     # A reused slot gets a new key, so programs compiled for its previous
     # communicator fail instead of running on this one.
@@ -127,6 +128,23 @@ def _register(comm, caller):
     comm.Set_attr(_SLOT_KEYVAL, info)
     _slot_infos[slot] = info
     return info
+
+
+def _map_device_ordinals():
+    """Tell the extension which local device index each of XLA's device ordinals is.
+
+    A handler learns its device as XLA's ordinal; mpicoll's per-device
+    duplicates are registered by position in jax.local_devices().  They agree
+    in one process; after jax.distributed.initialize a CPU device's ordinal is
+    its global id, so the map is set (once, before the first collective).
+    """
+    devices = jax.local_devices()
+    pairs = [(d.local_hardware_id, index) for index, d in enumerate(devices)
+             if getattr(d, "local_hardware_id", None) is not None]
+    known = {ordinal for ordinal, _ in pairs}
+    pairs += [(d.id, index) for index, d in enumerate(devices) if d.id not in known]
+    if any(ordinal != index for ordinal, index in pairs):
+        extension.set_device_ordinals(pairs)
 
 
 def info_for_slot(slot):

@@ -96,3 +96,9 @@ def with_token_avals(ctx):
     """The lowering context as seen by a custom call taking and returning a token first."""
     return ctx.replace(avals_in=[abstract_token, *ctx.avals_in],
                        avals_out=[abstract_token, *ctx.avals_out])
+
+
+def backends_initialized():
+    """Whether JAX has created its backends (after which jax.distributed cannot start)."""
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())

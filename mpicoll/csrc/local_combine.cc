@@ -224,7 +224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalAllreduce, CpuLocalAllreduceEntry,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Token>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<LocalDevice>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("site")

@@ -25,6 +25,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +117,31 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
     if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
     text[len] = '\0';
     PyErr_Format(PyExc_ValueError, "mpicoll: cannot register communicator %lld: %s", key, text);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// [(XLA device ordinal, local device index), ...]: see LocalDeviceIndex.
+PyObject* SetDeviceOrdinalsPy(PyObject*, PyObject* arg) {
+  PyObject* seq = PySequence_Fast(arg, "mpicoll: device ordinals must be a sequence of pairs");
+  if (!seq) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<std::array<int32_t, 2>> pairs(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int ordinal = 0, index = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ii", &ordinal, &index)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    pairs[static_cast<size_t>(i)] = {ordinal, index};
+  }
+  Py_DECREF(seq);
+  static_assert(sizeof(std::array<int32_t, 2>) == sizeof(int32_t[2]));
+  if (!SetDeviceOrdinals(reinterpret_cast<const int32_t (*)[2]>(pairs.data()),
+                         static_cast<int>(n))) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll: the device ordinals differ from those set "
+                    "before (or are too many)");
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -446,6 +472,8 @@ PyMethodDef methods[] = {
 #endif
     {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"set_device_ordinals", SetDeviceOrdinalsPy, METH_O,
+     "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
     {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,

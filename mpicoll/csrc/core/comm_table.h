@@ -43,6 +43,39 @@ inline const DeviceComm* LookupComm(int64_t key, int32_t device) {
   return entry->comm == MPI_COMM_NULL ? nullptr : entry;
 }
 
+// XLA's device ordinal -> mpicoll's local device index (the device's position
+// in jax.local_devices(), which is how Python registers a communicator's
+// per-device duplicates).  In one process they are the same.  After
+// jax.distributed.initialize a CPU device's ordinal is its global id (process
+// << 11 | local), so Python registers the map (SetDeviceOrdinals) before the
+// first collective; the pairs are searched in order (the local hardware ids
+// first: a GPU's ordinal is its CUDA device number).  Without a map the
+// ordinal is the index: one relaxed load on the hot path.
+inline std::atomic<int> device_ordinal_pairs{0};
+inline int32_t device_ordinal_map[2 * kMaxLocalDevices][2];  // (ordinal, local index)
+
+inline int32_t LocalDeviceIndex(int32_t ordinal) {
+  int pairs = device_ordinal_pairs.load(std::memory_order_acquire);
+  for (int i = 0; i < pairs; ++i) {
+    if (device_ordinal_map[i][0] == ordinal) return device_ordinal_map[i][1];
+  }
+  return ordinal;  // not mapped: LookupComm refuses what is out of range
+}
+
+// Sets the map once (the same pairs every time Python registers a
+// communicator); false if it differs from one set before or is too long.
+inline bool SetDeviceOrdinals(const int32_t (*pairs)[2], int count) {
+  if (count < 0 || count > 2 * kMaxLocalDevices) return false;
+  int set = device_ordinal_pairs.load(std::memory_order_acquire);
+  if (set != 0) {
+    return set == count && std::equal(&pairs[0][0], &pairs[0][0] + 2 * count,
+                                      &device_ordinal_map[0][0]);
+  }
+  std::copy(&pairs[0][0], &pairs[0][0] + 2 * count, &device_ordinal_map[0][0]);
+  device_ordinal_pairs.store(count, std::memory_order_release);
+  return true;
+}
+
 // mpi4py's `Comm.handle` is the MPI_Comm value as an integer: an int in
 // MPICH, a pointer in Open MPI.
 template <typename Handle>

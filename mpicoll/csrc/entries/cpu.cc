@@ -204,7 +204,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Token>()
                                   .Ret<ffi::Token>()
-                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<LocalDevice>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("site"));
 

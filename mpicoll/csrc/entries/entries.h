@@ -10,7 +10,27 @@
 #include <string>
 #include <vector>
 
+#include <optional>
+
+#include "../core/comm_table.h"
 #include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+// A handler's `device`: its local device index, XLA's device ordinal mapped
+// by LocalDeviceIndex (core/comm_table.h).  Bound as .Ctx<LocalDevice>().
+struct LocalDevice {};
+}  // namespace mpicoll
+
+template <>
+struct xla::ffi::CtxDecoding<mpicoll::LocalDevice> {
+  using Type = int32_t;
+  static std::optional<Type> Decode(const XLA_FFI_Api* api, XLA_FFI_ExecutionContext* ctx,
+                                    DiagnosticEngine& diagnostic) {
+    std::optional<int32_t> ordinal = CtxDecoding<DeviceOrdinal>::Decode(api, ctx, diagnostic);
+    if (!ordinal) return std::nullopt;
+    return mpicoll::LocalDeviceIndex(*ordinal);
+  }
+};
 
 namespace mpicoll {
 
@@ -25,7 +45,7 @@ namespace ffi = xla::ffi;
       .Arg<ffi::AnyBuffer>()                                                           \
       .Ret<ffi::Token>()                                                               \
       .Ret<ffi::AnyBuffer>() Extra                                                     \
-      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Ctx<LocalDevice>()                                                       \
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
       .Attr<int64_t>("op")                                                             \
@@ -37,7 +57,7 @@ namespace ffi = xla::ffi;
       .RemainingArgs()                                                                 \
       .Ret<ffi::Token>()                                                               \
       .RemainingRets() Extra                                                           \
-      .Ctx<ffi::DeviceOrdinal>()                                                       \
+      .Ctx<LocalDevice>()                                                       \
       .Attr<int64_t>("comm")                                                           \
       .Attr<int64_t>("root")                                                           \
       .Attr<int64_t>("op")                                                             \
@@ -49,7 +69,7 @@ namespace ffi = xla::ffi;
       .Arg<ffi::Token>()                                                               \
       .Ret<ffi::Token>()                                                               \
       .Ret<ffi::Buffer<ffi::S32>>() Extra                                              \
-      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<LocalDevice>()
 
 // An FFI target: its name (mpicoll_<op>[_overlapped][_fused], ...) and handler.
 struct Registration {

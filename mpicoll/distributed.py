@@ -1,0 +1,108 @@
+"""jax.distributed brought up from MPI: no address, port or cluster variable given by hand.
+
+    import mpicoll.distributed
+    mpicoll.distributed.initialize()   # on every rank, before any JAX computation
+
+Rank 0 of COMM_WORLD chooses the coordinator's address and a free port and
+broadcasts them over MPI; the process id is the rank and the number of
+processes the size of COMM_WORLD.  It works under any launcher MPI runs under
+(mpiexec of MPICH or Open MPI, launch/mpirun.sh, srun, the simulated hosts),
+since it asks MPI, not the launcher's variables.  Afterwards JAX's
+multi-process API works (jax.devices() lists every process's devices,
+multihost_utils.process_allgather, global arrays), and mpicoll's collectives
+work beside it as before.
+
+Shutdown: `jax.distributed.shutdown()` runs at exit, before MPI is finalized,
+after mpicoll's pending collectives; JAX bounds it by shutdown_timeout_seconds.
+A job stuck there, or anywhere, still ends: an uncaught exception aborts every
+rank (MPI_Abort, mpicoll's default with several ranks) and MPICOLL_TIMEOUT
+bounds a collective.  SIGTERM does not end a process whose JAX runtime is
+distributed: JAX catches it (preemption notice), so a launcher's or a test's
+timeout must send SIGKILL (`timeout -s KILL`).
+"""
+
+import atexit
+import socket
+
+import jax
+from mpi4py import MPI
+
+from . import _compat, topology
+
+_initialized = False
+
+
+def is_initialized():
+    """Whether initialize() has run in this process."""
+    return _initialized
+
+
+def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax_arguments):
+    """jax.distributed.initialize for every rank of MPI.COMM_WORLD, wired up over MPI.
+
+    Args:
+        coordinator_host: an address of rank 0's host that every rank reaches;
+            default 127.0.0.1 when every rank is on one node, else the address
+            rank 0's host name resolves to.
+        port: the coordinator's port; default a free port rank 0 picks.
+        local_device_ids: passed to JAX; "node-local-rank" gives each process
+            the one device numbered by its rank on its node (one GPU per rank
+            on a node whose every GPU is visible to every rank).
+        jax_arguments: passed to jax.distributed.initialize (for example
+            initialization_timeout, shutdown_timeout_seconds).
+    Raises:
+        RuntimeError, the same on every rank and before any MPI call, if it ran
+        before, if jax.distributed was initialized otherwise, or if JAX has
+        already started its backends (a computation ran: call it first).
+        RuntimeError on every rank if rank 0 finds no usable address.
+    """
+    global _initialized
+    if _initialized:
+        raise RuntimeError("mpicoll.distributed.initialize: already called in this process")
+    if jax.distributed.is_initialized():
+        raise RuntimeError("mpicoll.distributed.initialize: jax.distributed is already "
+                           "initialized (jax.distributed.initialize was called); call one "
+                           "of them, once")
+    if _compat.backends_initialized():
+        raise RuntimeError("mpicoll.distributed.initialize: JAX has already started its "
+                           "backends (a JAX computation or jax.devices() ran, or an mpicoll "
+                           "collective); call initialize() first, right after the imports")
+    where = topology.world()  # collective (the first time): on every rank
+    if local_device_ids == "node-local-rank":
+        local_device_ids = [where.local_rank]
+    world = MPI.COMM_WORLD
+    found = (_coordinator(coordinator_host, port, where.node_count) if world.Get_rank() == 0
+             else None)
+    address, problem = world.bcast(found, root=0)
+    if problem:
+        raise RuntimeError(f"mpicoll.distributed.initialize: {problem}")
+    jax.distributed.initialize(coordinator_address=address, num_processes=world.Get_size(),
+                               process_id=world.Get_rank(), local_device_ids=local_device_ids,
+                               **jax_arguments)
+    _initialized = True
+    # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
+    # them: pending work completes, JAX shuts down, then MPI is finalized.
+    atexit.register(_shutdown)
+
+
+def _coordinator(host, port, node_count):
+    """On rank 0: ("host:port", None), or (None, what went wrong)."""
+    try:
+        if host is None:
+            host = ("127.0.0.1" if node_count == 1
+                    else socket.gethostbyname(socket.gethostname()))
+            if host.startswith("127.") and node_count > 1:
+                return None, (f"rank 0's host name resolves to {host}, which the other "
+                              "nodes cannot reach; pass coordinator_host=")
+        if port is None:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+    except OSError as error:
+        return None, f"no coordinator address on rank 0 ({error}); pass coordinator_host="
+    return f"{host}:{port}", None
+
+
+def _shutdown():
+    jax.effects_barrier()  # mpicoll's and JAX's pending work first
+    jax.distributed.shutdown()

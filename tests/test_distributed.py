@@ -1,0 +1,39 @@
+"""mpicoll.distributed.initialize(): jax.distributed brought up from MPI.
+
+Jobs (tests/programs/distributed.py) at 1 and 2 ranks with 1 and 2 devices per
+rank: JAX's multi-process API and mpicoll's collectives beside it, against numpy.
+In process: what initialize() refuses, before any MPI call.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import mpicoll.distributed
+from conftest import run_mpiexec, serial_only
+
+PROGRAM = Path(__file__).parent / "programs" / "distributed.py"
+
+
+@serial_only
+@pytest.mark.parametrize("ranks,devices", [(2, 1), (2, 2), (1, 2)])
+def test_jax_multiprocess_api_and_mpicoll_after_initialize(ranks, devices):
+    # JAX's runtime catches SIGTERM: run_mpiexec kills the job's whole session on timeout.
+    result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices], timeout=180)
+    assert result.returncode == 0, result.summary()
+    assert f"ALL OK ({ranks} ranks x {devices} devices)" in result.stdout, result.summary()
+
+
+def test_initialize_refuses_when_jax_has_started():
+    jax.devices()  # this process's backends are up
+    with pytest.raises(RuntimeError, match="JAX has already started its backends"):
+        mpicoll.distributed.initialize()
+    assert not mpicoll.distributed.is_initialized()
+
+
+def test_initialize_refuses_after_jax_distributed_initialize(monkeypatch):
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="jax.distributed is already initialized"):
+        mpicoll.distributed.initialize()
