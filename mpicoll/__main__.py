@@ -82,7 +82,7 @@ def _settings_report():
     import dataclasses
 
     import mpicoll
-    from mpicoll import _settings
+    from mpicoll import _settings, failures
 
     settings, sources = _settings.current(), _settings.sources()
     # Those with a setter report their value now (a script may have changed it).
@@ -97,13 +97,10 @@ def _settings_report():
         elif field.name in now and now[field.name] != value:
             value, where = now[field.name], f"set in the program ({where}: {value})"
         elif field.name == "abort_on_error" and value is None:
-            value, where = _abort_on_error_in_force(), "default (on with more than one rank)"
+            value, where = failures.abort_on_error_installed(), \
+                "default (on with more than one rank)"
         rows.append((field.name, value, where))
     return rows
-
-
-def _abort_on_error_in_force():
-    return sys.excepthook.__module__ == "mpicoll.failures"
 
 
 def _settings_lines(reports):

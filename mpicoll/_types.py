@@ -6,6 +6,7 @@ no 16-bit float types); the ops, their codes and valid dtype families come from
 the extension's table.
 """
 
+import jax.numpy as jnp
 import ml_dtypes  # installed with jaxlib; gives numpy its bfloat16
 import numpy as np
 from mpi4py import MPI
@@ -51,7 +52,6 @@ assert set(_ELEMENTWISE) == set(OP_FAMILIES), "a reduction op without an element
 
 def elementwise(name):
     """The jax.numpy function that combines two operands like reduction op `name`."""
-    import jax.numpy as jnp
     return getattr(jnp, _ELEMENTWISE[name])
 
 

@@ -80,8 +80,18 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
     extension.abort_job(1)  # MPI_Abort, once the launcher has had time to forward the report
 
 
+_abort_installed = False
+
+
+def abort_on_error_installed():
+    """Whether uncaught exceptions abort the job in this process."""
+    return _abort_installed
+
+
 def install_abort_on_error():
     """Route uncaught exceptions (main thread and other threads) to abort_on_error."""
+    global _abort_installed
+    _abort_installed = True
     previous_hook = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
