@@ -32,6 +32,7 @@ from .overlap import overlap  # noqa: E402
 from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from . import failures as _failures  # noqa: E402
 from ._native import thread_mode  # noqa: E402
+from . import _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
 
 # The settings the modules above do not apply themselves: abort on error, the
 # check mode and the timeout (autodiff and dispatch start from the settings in

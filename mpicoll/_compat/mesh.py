@@ -25,6 +25,11 @@ def axis_in_manual_mesh(name):
     return check_vma_enabled() and name in getattr(_mesh.get_abstract_mesh(), "manual_axes", ())
 
 
+def manual_mesh_axes():
+    """The axes of the mesh being traced that are manual here (inside shard_map or pmap)."""
+    return tuple(getattr(_mesh.get_abstract_mesh(), "manual_axes", ()))
+
+
 def varying_axes(aval):
     """The manual mesh axes over which a value varies (its `vma`)."""
     mat = getattr(aval, "manual_axis_type", None)
@@ -94,6 +99,52 @@ def refuse_lax_collectives_over(axis, message):
             lowering._mpicoll_refuses = axis
             _mlir.register_lowering(primitive, lowering, platform=platform,
                                     inline=getattr(entry, "inline", True))
+
+
+def route_lax_collectives(route):
+    """Give route(primitive_name, args, params) the first word on every bind of
+    lax.parallel's primitives (psum, all_gather, ppermute, axis_index, ...).
+
+    It returns the result in the primitive's place, or NotImplemented to let the
+    primitive bind as JAX would.  Intercepting bind rather than the public
+    functions catches every path to the primitive (jax.lax.pmean, axis_index of
+    a tuple, pswapaxes, a name imported before mpicoll) and leaves the
+    transforms to the route: a vmapped or differentiated call arrives with
+    tracers, before any of JAX's rules for the primitive run.
+    """
+    for value in vars(_parallel).values():
+        if not isinstance(value, _core.Primitive) or "bind" in vars(value):
+            continue
+
+        def bind(*args, primitive=value, original=type(value).bind, **params):
+            out = route(primitive.name, args, params)
+            if out is NotImplemented:
+                return original(primitive, *args, **params)
+            return out
+
+        value.bind = bind
+
+
+def size_axis(name, size):
+    """Make the axis environment report size() for the axis `name` of a mesh.
+
+    shard_map binds each mesh axis at its size in the mesh; mpicoll's ranks
+    axis is 1 there (this process) but stands for every rank.  JAX reads the
+    size of a named axis from the environment for lax.axis_size, psum of a
+    constant, pmean's divisor and the shape of all_gather: all of them then
+    see the number of ranks.
+    """
+    original = _core.AxisEnv.axis_size
+    if getattr(original, "_mpicoll_sized", None) == name:
+        return
+
+    def axis_size(self, axis_name):
+        if axis_name == name and axis_name in self.axis_sizes and name in manual_mesh_axes():
+            return size()
+        return original(self, axis_name)
+
+    axis_size._mpicoll_sized = name
+    _core.AxisEnv.axis_size = axis_size
 
 
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):

@@ -1,0 +1,148 @@
+"""jax.lax collectives over mpicoll.RANKS, run as `mpiexec -n R python lax_over_ranks.py L`.
+
+Every body is written once in JAX's vocabulary with its axes as parameters and
+run two ways: inside shard_map over mpicoll.mesh("dev") on this rank's L
+devices, with the axes (RANKS,), (RANKS, "dev") and ("dev", RANKS); and in one
+process over a mesh ("r", "dev") of R x L fake devices with the same axes
+named ("r",), ("r", "dev"), ("dev", "r") -- JAX's own collectives, the
+reference.  Participant p = rank * L + k holds DATA[p].  Values, the vjp with
+every participant's cotangent, the body under vmap, and check_vma's types
+(out_specs P() for an invariant result) are compared.  Prints "ALL OK".
+"""
+
+import os
+import sys
+
+LOCAL = int(sys.argv[1])
+from mpi4py import MPI  # noqa: E402
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+N = SIZE * LOCAL
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={N}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import mpicoll  # noqa: E402
+from report import report_and_exit  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+R = mpicoll.RANKS
+MESH = mpicoll.mesh("dev", devices=jax.devices()[:LOCAL])
+REFERENCE_MESH = Mesh(np.array(jax.devices()).reshape(SIZE, LOCAL), ("r", "dev"))
+MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
+LAYOUTS = [(R,), (R, "dev"), ("dev", R)]
+failures = []
+
+# name -> (body(x, axes, participants in them), each participant's block shape).
+# "tile": (2, 2 * N), a block the participants of any of the layouts can share.
+TILE = (2, 2 * N)
+CASES = {
+    "psum": (lambda x, a, n: lax.psum(x, a), (2, 3)),
+    "pmean": (lambda x, a, n: lax.pmean(x, a), (2, 3)),
+    "pmax": (lambda x, a, n: lax.pmax(x, a), (2, 3)),
+    "pmin": (lambda x, a, n: lax.pmin(x, a), (2, 3)),
+    "psum of a constant": (lambda x, a, n: x * lax.psum(1, a), (2,)),
+    "axis_size": (lambda x, a, n: x + lax.axis_size(a), (2,)),
+    "axis_index": (lambda x, a, n: x * lax.axis_index(a), (2,)),
+    "all_gather": (lambda x, a, n: lax.all_gather(x, a)[None], (2, 3)),
+    "all_gather axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1), (2, 3)),
+    "all_gather tiled axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1, tiled=True),
+                                (2, 3)),
+    "psum_scatter": (lambda x, a, n: lax.psum_scatter(x.reshape(n, -1), a)[None], TILE),
+    "psum_scatter tiled axis=1": (
+        lambda x, a, n: lax.psum_scatter(x, a, scatter_dimension=1, tiled=True), TILE),
+    "all_to_all": (lambda x, a, n: lax.all_to_all(x, a, 1, 1, tiled=True), TILE),
+    "all_to_all untiled": (lambda x, a, n: lax.all_to_all(
+        x.reshape(x.shape[0], n, -1), a, 1, 0).reshape(x.shape[0] * n, -1), TILE),
+    "ppermute ring": (lambda x, a, n: lax.ppermute(x, a, [(i, (i + 1) % n) for i in range(n)]),
+                      (2, 3)),
+    "ppermute partial": (lambda x, a, n: lax.ppermute(
+        x, a, [(0, n - 1)] + [(i, i - 1) for i in range(2, n)]), (2, 3)),
+    "nonlinear mix": (lambda x, a, n: jnp.tanh(lax.psum(x * x, a)) * x + lax.ppermute(
+        jnp.sin(x), a, [(i, (i + 1) % n) for i in range(n)]), (2, 3)),
+}
+
+
+def data(shape, seed):
+    return np.random.default_rng(seed).normal(size=(N, *shape))
+
+
+def check(name, got, expected):
+    try:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
+    except AssertionError as error:
+        failures.append(f"{name}: {str(error)[:600]}")
+
+
+def attempt(name, fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 -- reported, then the job fails
+        failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
+
+
+def as_reference(axes):
+    return tuple("r" if a == R else a for a in axes)
+
+
+def rows(x):
+    """(participants, *block) -> the array shard_map cuts into those blocks."""
+    return jnp.asarray(x.reshape((-1, *x.shape[2:])))
+
+
+def mine(global_array):
+    """This rank's participants' blocks of a global (participants * block) array."""
+    return np.concatenate(np.split(np.asarray(global_array), N)[MINE])
+
+
+def run_case(name, body, shape, axes, vmapped):
+    everyone = data(shape, sum(map(ord, name)))
+    if vmapped:  # the body under vmap, over a leading batch of 2 inside each block
+        everyone = np.stack([everyone, everyone * 2 + 1], axis=1)
+        inner = body
+        body = lambda x, a, n: jax.vmap(lambda row: inner(row, a, n))(x)  # noqa: E731
+    count = N if "dev" in axes else SIZE
+    reference_axes = tuple("r" if a == R else a for a in axes)
+    ours = jax.jit(jax.shard_map(lambda x: body(x, axes, count), mesh=MESH,
+                                 in_specs=P((R, "dev")), out_specs=P((R, "dev"))))
+    theirs = jax.jit(jax.shard_map(lambda x: body(x, reference_axes, count),
+                                   mesh=REFERENCE_MESH, in_specs=P(("r", "dev")),
+                                   out_specs=P(("r", "dev"))))
+    what = f"{name} over {axes}{' under vmap' if vmapped else ''}"
+    if name.startswith(("pmax", "pmin", "all_to_all untiled")):
+        # JAX's own has no vjp to compare with (none; a cotangent type error)
+        check(what, ours(rows(everyone[MINE])), mine(theirs(rows(everyone))))
+        return
+    expected, reference_pullback = jax.vjp(theirs, rows(everyone))
+    got, pullback = jax.vjp(ours, rows(everyone[MINE]))
+    check(what, got, mine(expected))
+    cotangents = data((expected.shape[0] // N, *expected.shape[1:]), 7)
+    check(what + ": vjp", pullback(rows(cotangents[MINE]))[0],
+          mine(reference_pullback(rows(cotangents))[0]))
+
+
+for name, (body, case_shape) in CASES.items():
+    for axes in LAYOUTS:
+        for vmapped in (False, True):
+            if axes[0] == "dev" and ("ppermute" in name or "mix" in name):
+                continue  # JAX wants ppermute's axes in the mesh's order (test_lax_over_ranks)
+            attempt(f"{name} over {axes} vmapped={vmapped}",
+                    lambda: run_case(name, body, case_shape, axes, vmapped))
+
+
+def invariant_results():
+    # check_vma: psum over every axis is the same on every participant: out_specs P().
+    everyone = data((3,), 11)
+    ours = jax.jit(jax.shard_map(lambda x: lax.psum(x, (R, "dev")), mesh=MESH,
+                                 in_specs=P((R, "dev")), out_specs=P()))
+    check("psum over (RANKS, dev) typed invariant", ours(rows(everyone[MINE])),
+          everyone.sum(axis=0))
+
+
+attempt("invariant psum", invariant_results)
+report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")
