@@ -37,7 +37,7 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     info = comm_layer.resolve(comm, spec.name)
     x, params = agree(info, spec.name, _validate.validated_params, spec, x, info, root, op,
                       transpose_sums, static)
-    x, params = _typing.typed_input(x), _typing.typed_params(params)
+    x, params = _typing.typed_input(x, info), _typing.typed_params(params)
     if overlap.active() if overlapped is None else overlapped:
         params["overlapped"] = True
     return _spec.PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
@@ -167,7 +167,8 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
         if overlapped:
             params["overlapped"] = True
         outs = _spec.FUSED_PRIMITIVES[spec.name].bind(
-            *(_typing.typed_input(leaves[i]) for i in indices), **_typing.typed_params(params),
+            *(_typing.typed_input(leaves[i], kwargs["comm"]) for i in indices),
+            **_typing.typed_params(params),
             ordered=ordered, alias=alias)
         for i, out in zip(indices, outs):
             results[i] = out

@@ -29,11 +29,16 @@ lowering refusal in _typing.py stays behind it, so nothing over RANKS acts on
 one process silently.
 """
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from mpi4py import MPI
 
-from . import _blocks, _compat, _ranks_devices, _typing
+from . import _blocks, _compat, _ranks_devices, _typing, comm as comm_layer
 from ._dispatch import bind
 from .p2p import PROC_NULL, SENDRECV
 
@@ -41,53 +46,158 @@ RANKS = _typing.RANKS
 
 _REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 
+# How a collective's participants lie on ranks and devices:
+PER_DEVICE = "per device"  # one device per rank each: device k of every rank of comm
+RANKS_X_AXIS = "ranks x local axis"  # comm's ranks x a local mesh axis (mpicoll.mesh)
+WHOLE = "whole"  # every device of every rank of comm, with no local axis of their own
+
 
 class _Participants:
     """Who takes part in a collective over `axes`, and in which order.
 
-    ranks: the number of ranks; local: the devices per rank taking part (1
-    where the local axis is not among the axes); local_axis: its name or None;
-    devices_first: the axes name the local axis first, so participant
-    k * ranks + r (device k of rank r) instead of r * local + k.
+    comm: the ranks' communicator (a CommInfo); count: the participants;
+    layout: one of the three above.  For RANKS_X_AXIS: local_axis and its size
+    local, and devices_first where the axes name the local axis first
+    (participant k * ranks + r for device k of rank r, not r * local + k).
     """
 
-    def __init__(self, axes, caller):
-        others = [axis for axis in axes if axis != RANKS]
-        mesh_axes = _compat.manual_mesh_axes()
-        if len(others) > 1 or any(axis not in mesh_axes for axis in others) or (
-                len(axes) != len(set(axes))):
-            raise NotImplementedError(
-                f"jax.lax.{caller} over {tuple(axes)!r}: mpicoll runs collectives over "
-                f"{RANKS!r} alone or with one local device axis of mpicoll.mesh(local_axis) "
-                "(as (RANKS, axis) or (axis, RANKS)); an axis that is not a mesh axis here "
-                "(e.g. a vmap axis name) cannot be combined with it")
-        self.ranks = _typing.world().size
-        self.local_axis = others[0] if others else None
-        self.local = lax.axis_size(self.local_axis) if others else 1
-        self.devices_first = bool(others) and axes[0] != RANKS
-        self.count = self.ranks * self.local
+    def __init__(self, comm, layout, count, local_axis=None, local=1, devices_first=False):
+        self.comm, self.layout, self.count = comm, layout, count
+        self.local_axis, self.local, self.devices_first = local_axis, local, devices_first
 
     def rank_major(self, rows):
         """Rows indexed in the axes' order, reordered rank-major (row r * L + k)."""
         if not self.devices_first:
             return rows
         p = np.arange(self.count)
-        return rows[(p % self.local) * self.ranks + p // self.local]
+        return rows[(p % self.local) * self.comm.size + p // self.local]
 
     def axes_order(self, rows):
         """Rows indexed rank-major, reordered as the axes name the participants."""
         if not self.devices_first:
             return rows
         q = np.arange(self.count)
-        return rows[(q % self.ranks) * self.local + q // self.ranks]
+        return rows[(q % self.comm.size) * self.local + q // self.comm.size]
 
-    def index(self):
-        """This participant's index in the axes' order (traced: it depends on the device)."""
-        rank = _typing.world().rank
-        if self.local_axis is None:
+    def index(self, axes):
+        """This participant's index in the axes' order (traced where it depends on the device)."""
+        if self.layout == WHOLE:
+            return lax.axis_index(axes)  # JAX's own: the mesh spans the processes
+        rank = self.comm.rank
+        if self.layout == PER_DEVICE:
             return jnp.int32(rank)
         device = lax.axis_index(self.local_axis)
-        return device * self.ranks + rank if self.devices_first else rank * self.local + device
+        ranks = self.comm.size
+        return device * ranks + rank if self.devices_first else rank * self.local + device
+
+
+def _over_ranks(axes, caller):
+    """The participants over mpicoll.RANKS and at most one local axis of mpicoll.mesh()."""
+    others = [axis for axis in axes if axis != RANKS]
+    mesh_axes = _compat.manual_mesh_axes()
+    if len(others) > 1 or any(axis not in mesh_axes for axis in others) or (
+            len(axes) != len(set(axes))):
+        raise NotImplementedError(
+            f"jax.lax.{caller} over {tuple(axes)!r}: mpicoll runs collectives over "
+            f"{RANKS!r} alone or with one local device axis of mpicoll.mesh(local_axis) "
+            "(as (RANKS, axis) or (axis, RANKS)); an axis that is not a mesh axis here "
+            "(e.g. a vmap axis name) cannot be combined with it")
+    world = _typing.world()
+    if not others:
+        return _Participants(world, PER_DEVICE, world.size)
+    local = lax.axis_size(others[0])
+    return _Participants(world, RANKS_X_AXIS, world.size * local, others[0], local,
+                         devices_first=axes[0] != RANKS)
+
+
+# ---------------------------------------------------------------------------
+# Global meshes: after mpicoll.distributed.initialize() (or jax.distributed's
+# own), a mesh over every process's devices.  Its devices are listed
+# process-major (device i is local device i % L of process i // L, checked when
+# the program is lowered: _primitive.py), so which devices a collective over
+# some axes groups together follows from the mesh's shape alone.
+
+def _global_mesh():
+    """(axis names, sizes) of the mesh traced now if it spans every process's devices."""
+    if jax.process_count() == 1:
+        return None
+    names, sizes = _compat.current_mesh_shape()
+    if math.prod(sizes) != jax.device_count():
+        return None
+    return names, sizes
+
+
+@functools.lru_cache(maxsize=None)
+def _grouping(names, sizes, axes, processes, local):
+    """How a collective over `axes` of a process-major mesh groups the devices:
+    (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
+    or (None, why) when no layout fits."""
+    devices = np.arange(processes * local)
+    coords = np.stack(np.unravel_index(devices, sizes), axis=1)
+    rest = [j for j, name in enumerate(names) if name not in axes]
+    along = [names.index(axis) for axis in axes]
+    group_of = [tuple(row) for row in coords[:, rest]]
+    position = np.ravel_multi_index(tuple(coords[:, along].T), [sizes[j] for j in along])
+    process, device = devices // local, devices % local
+    members = {}
+    for i, group in enumerate(group_of):
+        members.setdefault(group, []).append(i)
+    ranks_of = {group: frozenset(process[m]) for group, m in members.items()}
+    # Each process's devices all in groups of the same processes: one communicator per process.
+    per_process = [{ranks_of[group_of[i]] for i in devices[process == q]} for q in range(processes)]
+    if any(len(sets) != 1 for sets in per_process):
+        return None, "its groups split some process's devices between different processes"
+    colors = {ranks: c for c, ranks in enumerate(sorted({next(iter(s)) for s in per_process},
+                                                        key=sorted))}
+    color = [colors[next(iter(per_process[q]))] for q in range(processes)]
+    one_device_each = all(len(set(device[m])) == 1 and len(m) == len(ranks_of[g])
+                          for g, m in members.items())
+    if one_device_each:
+        # Ordered as the axes order the processes: the same order for every device.
+        orders = {}
+        for m in members.values():
+            m = np.asarray(m)
+            order = tuple(process[m][np.argsort(position[m])])
+            orders.setdefault(color[order[0]], set()).add(order)
+        if all(len(found) == 1 for found in orders.values()):
+            return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
+    if all(len(m) == len(ranks_of[g]) * local for g, m in members.items()):
+        return WHOLE, [(color[q], q) for q in range(processes)]
+    return None, "its groups take some but not all of a process's devices"
+
+
+def _over_processes(axes, caller):
+    """The participants of a collective over axes of a global mesh, or None where
+    none of them spans processes (XLA's own collective then runs it)."""
+    found = _global_mesh()
+    if found is None:
+        return None
+    names, sizes = found
+    if any(axis not in names for axis in axes) or len(axes) != len(set(axes)):
+        return None  # JAX's own error
+    processes, local = jax.process_count(), jax.local_device_count()
+    layout, groups = _grouping(tuple(names), tuple(sizes), tuple(axes), processes, local)
+    if layout is None:
+        raise NotImplementedError(
+            f"jax.lax.{caller} over {tuple(axes)!r} of the mesh {dict(zip(names, sizes))}: "
+            f"mpicoll cannot run it across processes ({groups}). Give the mesh a process "
+            "axis and a device axis, e.g. jax.make_mesh((jax.process_count(), "
+            "jax.local_device_count()), ('proc', 'dev')), and collect over ('proc',) or "
+            "('proc', 'dev')")
+    color, key = groups[jax.process_index()]
+    comm = _mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
+    if comm.size == 1 and layout == PER_DEVICE:
+        return None  # the axes stay inside this process: XLA's own collective
+    count = comm.size * (local if layout == WHOLE else 1)
+    return _Participants(comm, layout, count)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_communicator(axes, names, sizes, color, key):
+    """The communicator of the processes this process meets over `axes` (made once
+    per mesh shape and axes, collectively: every process traces the same program)."""
+    del names, sizes  # the cache key
+    return comm_layer.for_mesh_axes(MPI.COMM_WORLD.Split(color, key), axes, "jax.lax")
 
 
 def _vma():
@@ -100,18 +210,42 @@ def _zeros_like(x):
 
 
 def _allreduce(x, op, who):
-    if who.local_axis is None:
+    if who.layout == PER_DEVICE:
         # psum transposes to psum under pmap-style typing, to pvary with check_vma.
-        return bind(_blocks.ALLREDUCE, x, comm=None, op=op, transpose_sums=not _vma())
-    return _ranks_devices.allreduce(x, op, None, who.local_axis)
+        return bind(_blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
+    if who.layout == RANKS_X_AXIS:
+        return _ranks_devices.allreduce(x, op, who.comm, who.local_axis)
+    return _ranks_devices._combined_allreduce(x, op, who.comm, who.axes[0], whole=True)
+
+
+# WHOLE: the L devices of a process have no axis of their own to run XLA's
+# collectives over (an XLA collective there would be JAX's cross-process one),
+# so everything goes through the one collective that meets the local devices in
+# mpicoll's handler, the combined allreduce: each participant adds its data at
+# its own place in a buffer of every participant's (count x the bytes of the
+# direct collective; exact, as the other places hold zeros).
+
+def _placed_sum(x, who, place):
+    """The sum over participants of zeros with x at `place` (a traced index) of a
+    buffer of shape (count, *x.shape), typed invariant over the axes."""
+    dtype = x.dtype
+    x = x.astype(jnp.int32) if dtype == jnp.bool_ else x
+    rows = jnp.zeros((who.count, *x.shape), x.dtype)
+    rows = lax.dynamic_update_index_in_dim(rows, x, place, 0)
+    return _allreduce(rows, "sum", who).astype(dtype)
 
 
 def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather is typed varying and transposes to psum_scatter (transpose_sums);
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
     varying = not (invariant and _vma())
-    rows = bind(_blocks.ALLGATHER, x, comm=None, transpose_sums=varying)  # (ranks, *s)
-    if who.local_axis is not None:
+    if who.layout == WHOLE:
+        rows = _placed_sum(x, who, who.index(who.axes))
+        if varying and _vma():
+            rows = _compat.pvary(rows, who.axes)
+    else:
+        rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
+    if who.layout == RANKS_X_AXIS:
         gather = lax.all_gather if varying else _compat.all_gather_invariant
         rows = gather(rows, who.local_axis)  # (L, ranks, *s)
         if not who.devices_first:
@@ -146,20 +280,28 @@ def _psum_scatter(x, who, *, scatter_dimension, tiled):
                 f"{x.shape[scatter_dimension]}; without tiled it must equal the number of "
                 f"participants, {who.count}")
         rows = jnp.moveaxis(x, scatter_dimension, 0)
+    if who.layout == WHOLE:
+        return lax.dynamic_index_in_dim(_allreduce(rows, "sum", who), who.index(who.axes), 0,
+                                        keepdims=False)
     rows = who.rank_major(rows)
-    if who.local_axis is None:
-        return bind(_blocks.REDUCE_SCATTER, rows, comm=None, op="sum", transpose_sums=not _vma())
-    return _ranks_devices.reduce_scatter(rows, "sum", None, who.local_axis)
+    if who.layout == PER_DEVICE:
+        return bind(_blocks.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
+                    transpose_sums=not _vma())
+    return _ranks_devices.reduce_scatter(rows, "sum", who.comm, who.local_axis)
 
 
 def _exchange(rows, who):
-    """mpicoll's alltoall on rows in the axes' order: row j goes to participant j,
-    and row j of the result came from participant j."""
+    """An alltoall on rows in the axes' order: row j goes to participant j, and
+    row j of the result came from participant j."""
+    if who.layout == WHOLE:
+        me = who.index(who.axes)
+        everyone = _placed_sum(rows, who, me)  # [source, destination, ...]
+        return lax.dynamic_index_in_dim(everyone, me, 1, keepdims=False)
     rows = who.rank_major(rows)
-    if who.local_axis is None:
-        rows = bind(_blocks.ALLTOALL, rows, comm=None)
+    if who.layout == PER_DEVICE:
+        rows = bind(_blocks.ALLTOALL, rows, comm=who.comm)
     else:
-        rows = _ranks_devices.alltoall(rows, None, who.local_axis)
+        rows = _ranks_devices.alltoall(rows, who.comm, who.local_axis)
     return who.axes_order(rows)
 
 
@@ -197,13 +339,13 @@ def _ppermute(x, who, *, perm):
             f"{who.local_axis!r}), not ({who.local_axis!r}, {RANKS!r}); the permutation's "
             "indices are then rank * local devices + device")
     pairs = _checked_permutation(perm, who.count)
-    if who.local_axis is None:
-        rank = _typing.world().rank
+    if who.layout == PER_DEVICE:
+        rank = who.comm.rank
         dest = next((d for s, d in pairs if s == rank), PROC_NULL)
         source = next((s for s, d in pairs if d == rank), PROC_NULL)
         if dest == PROC_NULL and source == PROC_NULL:
-            return _typing.typed_input(_zeros_like(x))
-        out = bind(SENDRECV, x, comm=None, static=(
+            return _typing.typed_input(_zeros_like(x), who.comm)
+        out = bind(SENDRECV, x, comm=who.comm, static=(
             ("source", source), ("dest", dest), ("sendtag", 0), ("recvtag", 0),
             ("shape", tuple(x.shape))))
         return _zeros_like(out) if source == PROC_NULL else out
@@ -214,7 +356,7 @@ def _ppermute(x, who, *, perm):
     source = np.full(who.count, -1)
     for s, d in pairs:
         destination[s], source[d] = d, s
-    me = who.index()
+    me = who.index(who.axes)
     mine = jnp.asarray(destination)[me]
     rows = jnp.where((jnp.arange(who.count) == mine).reshape((-1,) + (1,) * x.ndim),
                      x[None], jnp.zeros((), x.dtype))
@@ -224,24 +366,24 @@ def _ppermute(x, who, *, perm):
 
 
 def _pbroadcast(x, who, *, source):
-    if who.local_axis is not None:
+    if not 0 <= source < who.count:
+        raise ValueError(f"jax.lax.pbroadcast: source={source} is not one of the {who.count} "
+                         "participants")
+    if who.layout == PER_DEVICE:
+        return bind(_blocks.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
+    if who.layout == RANKS_X_AXIS:
         raise NotImplementedError(
             "jax.lax.pbroadcast over the ranks and a local axis: use it over mpicoll.RANKS "
             "alone, or mpicoll.bcast(x, root, axis_name=local_axis)")
-    if not 0 <= source < who.count:
-        raise ValueError(f"jax.lax.pbroadcast: source={source} is not one of the {who.count} "
-                         "ranks")
-    return bind(_blocks.BCAST, x, comm=None, root=source, transpose_sums=True)
-
-
-def _axis_index():
-    return _typing.typed_input(jnp.int32(_typing.world().rank))
+    mine = who.index(who.axes) == source
+    total = _allreduce(jnp.where(mine, x, jnp.zeros((), x.dtype)), "sum", who)
+    return _compat.pvary(total, who.axes) if _vma() else total
 
 
 _MAPPED = {*_REDUCTIONS, "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",
            "ppermute", "pbroadcast"}
 _UNMAPPED = (
-    "jax.lax.{name} over {axes!r} has no MPI form in mpicoll: over the ranks use "
+    "jax.lax.{name} over {axes!r} has no MPI form in mpicoll: across processes use "
     "psum/pmean/pmax/pmin, all_gather, psum_scatter, all_to_all, ppermute, pbroadcast, "
     "axis_index and axis_size, or mpicoll's own collectives (mpicoll.sendrecv, "
     "mpicoll.allgatherv, ...)")
@@ -252,24 +394,41 @@ def _axes(name, params):
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
+def _participants(name, axes):
+    """Who takes part in the collective `name` over `axes`, where some of them span
+    MPI ranks: RANKS inside shard_map over mpicoll.mesh(), or axes of a global
+    mesh that span processes.  None where none does (JAX runs it)."""
+    if RANKS in axes and RANKS in _compat.manual_mesh_axes():
+        return _over_ranks(axes, name)
+    if name == "axis_index" or not set(axes) <= set(_compat.manual_mesh_axes()):
+        return None  # a global mesh's indices are JAX's own; other axes, JAX's error
+    return _over_processes(axes, name)
+
+
 def _route(name, args, params):
-    """The answer to a lax.parallel primitive's bind: mpicoll's collective where its
-    axes include RANKS inside a shard_map over mpicoll.mesh(); else NotImplemented."""
+    """The answer to a lax.parallel primitive's bind: mpicoll's collective where
+    its axes span MPI ranks (_participants); else NotImplemented."""
     axes = _axes(name, params)
-    if RANKS not in axes or RANKS not in _compat.manual_mesh_axes():
+    if name == "axis_index" and axes == (RANKS,) and RANKS in _compat.manual_mesh_axes():
+        return _typing.typed_input(jnp.int32(_typing.world().rank))
+    if not (RANKS in axes or _global_mesh() is not None):
         return NotImplemented
-    if name == "axis_index":
-        return _axis_index()
-    if params.get("axis_index_groups") is not None:
+    if params.get("axis_index_groups") is not None and (
+            RANKS in axes or _global_mesh() is not None):
         raise NotImplementedError(
             f"jax.lax.{name} over {axes!r} with axis_index_groups: for groups of ranks, "
             "call mpicoll's collective with comm=MPI.COMM_WORLD.Split(color)")
     if any(isinstance(axis, int) for axis in axes):
-        raise NotImplementedError(f"jax.lax.{name}: positional axes cannot be combined with "
-                                  f"{RANKS!r}; reduce them with jnp first")
+        if RANKS in axes:
+            raise NotImplementedError(f"jax.lax.{name}: positional axes cannot be combined "
+                                      f"with {RANKS!r}; reduce them with jnp first")
+        return NotImplemented
+    who = _participants(name, axes)
+    if who is None:
+        return NotImplemented
     if name not in _MAPPED:
         raise NotImplementedError(_UNMAPPED.format(name=name, axes=axes))
-    who = _Participants(axes, name)
+    who.axes = axes
     x, = args
     if name in _REDUCTIONS:
         return _allreduce(x, _REDUCTIONS[name], who)

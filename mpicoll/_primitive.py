@@ -47,6 +47,9 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
     as int64; every call gets its own site number (`site`), except where the
     handler checks nothing across ranks (numbered=False).
     """
+    mesh = _compat.lowering_mesh(ctx)
+    if mesh is not None:
+        _check_process_major(mesh)
     token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
     call = jax.ffi.ffi_lowering(target, has_side_effect=True,
                                 operand_output_aliases=aliases)
@@ -58,6 +61,27 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
     if ordered:
         _compat.set_token_out(ctx, mpi_effect, token)
     return outs
+
+
+@functools.lru_cache(maxsize=None)
+def _check_process_major(mesh):
+    """A mesh over several processes must list their devices process-major, each
+    process's in its local order: mpicoll's communicators and handlers number the
+    participants that way (_lax_over_ranks.py)."""
+    devices = list(mesh.devices.flat)
+    if len({device.process_index for device in devices}) == 1:
+        return
+    local = jax.local_device_count()
+    expected = [(i // local, i % local) for i in range(len(devices))]
+    order = {device: index for index, device in enumerate(jax.local_devices())}
+    found = [(device.process_index, order.get(device, i % local))
+             for i, device in enumerate(devices)]
+    if found != expected:
+        raise ValueError(
+            f"mpicoll: the mesh {dict(mesh.shape)} lists its devices as (process, local "
+            f"device) {found}; mpicoll needs them process-major, each process's devices in "
+            "the order of jax.local_devices(): build it with jax.make_mesh(...) or "
+            "Mesh(np.array(jax.devices()).reshape(...), names)")
 
 
 # ---------------------------------------------------------------------------
@@ -210,7 +234,7 @@ def _single_array_primitive(spec):
         _typing.check_reverse_mode(spec.name, params)
         if type(ct) is _compat.Zero:
             return [_compat.zero_tangent(x.aval)]
-        return [_typing.typed_like(spec.transpose(ct, params), x.aval)]
+        return [_typing.typed_like(spec.transpose(ct, params), x.aval, params)]
 
     _compat.register_batching(primitive, batch)
     _compat.register_jvp(primitive, jvp)

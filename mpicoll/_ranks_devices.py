@@ -149,14 +149,18 @@ def _combines_in_handler(x, local):
             and not overlap.active() and jax.default_backend() == "cpu")
 
 
-def _combined_allreduce(x, name, info, axis_name):
+def _combined_allreduce(x, name, info, axis_name, whole=False):
+    """whole: the combine is the entire collective over axis_name (its every
+    participant is a device of a rank of info), not a step of the composition
+    over a local axis: a global mesh's axis that spans processes and their
+    devices, where XLA's own collectives would be JAX's cross-process ones."""
     params = dict(comm=info.slot, size=info.size, root=0,
                   op=_types.op_code(name, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
                   checked_ad=_typing.autodiff_checked())
-    x, params = _typing.typed_input(x), _typing.typed_params(params)
-    return combined_allreduce_p.bind(x, axis_name=axis_name, local=lax.axis_size(axis_name),
-                                     **params)
+    x, params = _typing.typed_input(x, info), _typing.typed_params(params)
+    local = jax.local_device_count() if whole else lax.axis_size(axis_name)
+    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole, **params)
 
 
 def _combined_abstract_eval(x, *, axis_name, local, op, **params):
@@ -199,6 +203,12 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
     y = combined_allreduce_p.bind(x, axis_name=axis_name, comm=comm, op=op, **params)
     if type(t) is _compat.Zero:
         return y, _compat.zero_tangent(jax.typeof(y))
+    if params["whole"]:
+        if op != _SUM:
+            raise NotImplementedError(
+                f"jax.lax.p{_types.OP_NAMES[op]} over axes spanning processes has no "
+                "derivative (JAX defines none for pmax and pmin)")
+        return y, combined_allreduce_p.bind(t, axis_name=axis_name, comm=comm, op=op, **params)
     composed = functools.partial(_composed_allreduce, name=_types.OP_NAMES[op],
                                  comm=comm_layer.info_for_slot(comm), axis_name=axis_name)
     if op == _SUM:  # linear
@@ -206,8 +216,21 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
     return y, jax.jvp(composed, (x,), (t,))[1]
 
 
+def _combined_transpose(ct, x, *, axis_name, comm, op, transpose_sums, **params):
+    """The sum's transpose where the combine is the whole collective (the
+    composition's pieces bring their own): psum's under each typing."""
+    assert params["whole"] and op == _SUM, "only the whole sum is transposed"
+    if type(ct) is _compat.Zero:
+        return [_compat.zero_tangent(x.aval)]
+    if transpose_sums:  # pmap-style: psum transposes to psum
+        return [combined_allreduce_p.bind(ct, axis_name=axis_name, comm=comm, op=op,
+                                          transpose_sums=transpose_sums, **params)]
+    return [_typing.typed_like(ct, x.aval, {"comm": comm})]  # check_vma: to pvary
+
+
 _compat.register_batching(combined_allreduce_p, _combined_batch)
 _compat.register_jvp(combined_allreduce_p, _combined_jvp)
+_compat.register_transpose(combined_allreduce_p, _combined_transpose)
 
 
 def allgather(x, comm, axis_name):

@@ -62,8 +62,23 @@ def world():
     return comm_layer.resolve(None, "pvary")
 
 
+def typed_axes(slot=None):
+    """The mesh axes whose participants a communicator's ranks are, where values
+    are typed over them now (shard_map with check_vma), else ().
+
+    A communicator mpicoll made for axes of a global mesh (_lax_over_ranks.py)
+    stands for those axes; any other stands for RANKS inside mesh().
+    """
+    if not _compat.check_vma_enabled():
+        return ()
+    axes = (comm_layer.info_for_slot(slot).mesh_axes if slot is not None else ()) or (RANKS,)
+    manual = _compat.manual_mesh_axes()
+    return axes if all(axis in manual for axis in axes) else ()
+
+
 def _spans_all_ranks(params):
-    return params["size"] == world().size
+    return (bool(comm_layer.info_for_slot(params["comm"]).mesh_axes)
+            or params["size"] == world().size)
 
 
 # ---------------------------------------------------------------------------
@@ -75,8 +90,8 @@ def _spans_all_ranks(params):
 pvary_p = Primitive("mpicoll_pvary")
 pvary_p.def_impl(lambda x, **params: x)
 pvary_p.def_abstract_eval(
-    lambda x, **params: _compat.with_varying_axes(x, _compat.varying_axes(x) | {RANKS})
-    if ranks_typed() else x)
+    lambda x, *, comm, **params: _compat.with_varying_axes(
+        x, _compat.varying_axes(x) | set(typed_axes(comm))))
 _compat.register_lowering(pvary_p, lambda ctx, x, **params: [x])
 _compat.register_batching(pvary_p, lambda args, dims, **params: (pvary_p.bind(*args, **params),
                                                                  dims[0]))
@@ -99,51 +114,59 @@ def _pvary_transpose(ct, x, *, comm, size):
 _compat.register_transpose(pvary_p, _pvary_transpose)
 
 
-def cast_per_rank(x):
-    """x typed varying over RANKS; under autodiff its cotangent is summed over all ranks."""
-    everyone = world()
-    return pvary_p.bind(x, comm=everyone.slot, size=everyone.size)
+def cast_per_rank(x, info=None):
+    """x typed varying over the communicator's axes (default: RANKS); under
+    autodiff its cotangent is summed over the communicator."""
+    info = info or world()
+    if info.mesh_axes:
+        # JAX's own: its transpose, psum over the axes, comes back to mpicoll
+        # as the communicator's allreduce (_lax_over_ranks.py).
+        return _compat.pvary(x, info.mesh_axes)
+    return pvary_p.bind(x, comm=info.slot, size=info.size)
 
 
 # ---------------------------------------------------------------------------
 # How the collectives type their inputs and outputs.
 
 def typed_output(spec, x, shape, params):
-    """The output aval: x's shape rule, and inside mesh() its RANKS variance."""
+    """The output aval: x's shape rule, and where typed its variance over the
+    communicator's axes."""
     out = _compat.aval_with_shape(x, shape)
-    if not ranks_typed():
+    axes = set(typed_axes(params["comm"]))
+    if not axes:
         return out
     varying = _compat.varying_axes(x)
     # transpose_sums (the ranks x devices ops under pmap, some transposes) means
     # the sum convention, where every value counts per rank: varying.
     same_everywhere = (spec.replicates and _spans_all_ranks(params)
                        and not params.get("transpose_sums"))
-    return _compat.with_varying_axes(
-        out, varying - {RANKS} if same_everywhere else varying | {RANKS})
+    return _compat.with_varying_axes(out, varying - axes if same_everywhere else varying | axes)
 
 
-def typed_input(x):
-    """Inside mesh(): a collective contributes a per-rank value.  An invariant x
+def typed_input(x, info=None):
+    """Where typed: a collective contributes a per-rank value.  An invariant x
     (the same on every rank) is cast with pvary, so its gradient collects every
     rank's cotangent."""
-    if ranks_typed() and RANKS not in _compat.varying_axes(jax.typeof(x)):
-        return cast_per_rank(x)
+    axes = typed_axes(info.slot if info is not None else None)
+    if axes and not set(axes) <= _compat.varying_axes(jax.typeof(x)):
+        return cast_per_rank(x, info)
     return x
 
 
 def typed_params(params):
-    """Inside mesh(), a communicator short of every rank gets the sum convention
+    """Where typed, a communicator short of every rank gets the sum convention
     (its replicated outputs still differ between its groups)."""
-    if ranks_typed() and not _spans_all_ranks(params):
+    if typed_axes(params["comm"]) and not _spans_all_ranks(params):
         return {**params, "transpose_sums": True}
     return params
 
 
-def typed_like(ct, aval):
+def typed_like(ct, aval, params):
     """A transpose's result, typed like the primal input it is the cotangent of."""
-    if (ranks_typed() and RANKS in _compat.varying_axes(aval)
-            and RANKS not in _compat.varying_axes(jax.typeof(ct))):
-        return cast_per_rank(ct)
+    axes = set(typed_axes(params["comm"]))
+    if (axes and axes <= _compat.varying_axes(aval)
+            and not axes <= _compat.varying_axes(jax.typeof(ct))):
+        return cast_per_rank(ct, comm_layer.info_for_slot(params["comm"]))
     return ct
 
 
@@ -208,7 +231,7 @@ def autodiff_mode():
 
 
 def check_reverse_mode(name, params):
-    if not params.get("checked_ad") or params.get("transpose_sums") or ranks_typed():
+    if not params.get("checked_ad") or params.get("transpose_sums") or typed_axes(params["comm"]):
         return
     raise TypeError(
         f"mpicoll.{name}: reverse-mode autodiff through a collective needs to know which "
@@ -225,7 +248,11 @@ def _sum_over_ranks(ct):
 
 
 _compat.route_pvary_transpose(RANKS, _sum_over_ranks)
+# The lax collectives over RANKS are routed to mpicoll's when they bind
+# (_lax_over_ranks.py); one that reaches XLA anyway (bound before mpicoll was
+# imported, e.g. in a jaxpr traced earlier) would act on this process alone.
 _compat.refuse_lax_collectives_over(
-    RANKS, "jax.lax {name} over " + repr(RANKS) + " would act on this process alone: the "
-    "axis stands for the MPI ranks; use mpicoll's collectives (allreduce for psum, allgather "
-    "for all_gather, sendrecv for ppermute, the communicator's rank for axis_index)")
+    RANKS, "jax.lax {name} over " + repr(RANKS) + " reached XLA, which would run it on this "
+    "process alone: the axis stands for the MPI ranks. It was bound without mpicoll's "
+    "routing (traced before mpicoll was imported?); import mpicoll first, or use mpicoll's "
+    "collectives (allreduce for psum, allgather for all_gather, sendrecv for ppermute)")

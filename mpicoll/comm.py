@@ -35,6 +35,7 @@ class CommInfo:
     rank: int
     name: str
     per_device: tuple = dataclasses.field(compare=False)  # private duplicates, one per device
+    mesh_axes: tuple = ()  # the global mesh axes it was made for (_lax_over_ranks.py)
 
 
 _free_slots = list(range(_BUILD["max_comms"] - 1, -1, -1))
@@ -127,6 +128,14 @@ def _register(comm, caller):
                     per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)
     _slot_infos[slot] = info
+    return info
+
+
+def for_mesh_axes(comm, axes, caller):
+    """comm's CommInfo, standing for the global mesh axes `axes` (check_vma types
+    values over them); comm is mpicoll's own, made for those axes."""
+    info = dataclasses.replace(resolve(comm, caller), mesh_axes=tuple(axes))
+    _slot_infos[info.slot] = info
     return info
 
 

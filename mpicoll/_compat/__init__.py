@@ -18,8 +18,9 @@ from .transforms import (  # noqa: F401
     Zero, is_undefined_primal, register_batching, register_jvp, register_transpose,
     transpose_rule, zero_tangent)
 from .mesh import (  # noqa: F401
-    all_gather_invariant, axis_in_manual_mesh, manual_mesh_axes, check_vma_enabled, devices_running_this_trace,
-    refuse_lax_collectives_over, route_lax_collectives, route_pvary_transpose, size_axis,
+    all_gather_invariant, axis_in_manual_mesh, current_mesh_shape, lowering_mesh,
+    manual_mesh_axes, check_vma_enabled, devices_running_this_trace,
+    pvary, refuse_lax_collectives_over, route_lax_collectives, route_pvary_transpose, size_axis,
     varying_axes, with_varying_axes)
 from . import dispatch_hooks  # noqa: F401
 from .dispatch_hooks import (  # noqa: F401

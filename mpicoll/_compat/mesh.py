@@ -30,6 +30,18 @@ def manual_mesh_axes():
     return tuple(getattr(_mesh.get_abstract_mesh(), "manual_axes", ()))
 
 
+def current_mesh_shape():
+    """(axis names, sizes) of the mesh being traced (the abstract mesh)."""
+    mesh = _mesh.get_abstract_mesh()
+    return tuple(getattr(mesh, "axis_names", ())), tuple(getattr(mesh, "axis_sizes", ()))
+
+
+def lowering_mesh(ctx):
+    """The concrete mesh a lowering runs under (shard_map under jit), or None."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    return mesh if getattr(mesh, "devices", None) is not None else None
+
+
 def varying_axes(aval):
     """The manual mesh axes over which a value varies (its `vma`)."""
     mat = getattr(aval, "manual_axis_type", None)
@@ -145,6 +157,13 @@ def size_axis(name, size):
 
     axis_size._mpicoll_sized = name
     _core.AxisEnv.axis_size = axis_size
+
+
+def pvary(x, axes):
+    """JAX's own pvary: x typed varying over `axes` too (an identity; its transpose
+    is psum over them)."""
+    missing = tuple(axis for axis in axes if axis not in varying_axes(jax.typeof(x)))
+    return _core.pvary_p.bind(x, axes=missing) if missing else x
 
 
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
