@@ -5,6 +5,7 @@ rank: JAX's multi-process API and mpicoll's collectives beside it, against numpy
 In process: what initialize() refuses, before any MPI call.
 """
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import mpicoll.distributed
 from conftest import run_mpiexec, serial_only
 
 PROGRAM = Path(__file__).parent / "programs" / "distributed.py"
+GLOBAL_MESH = Path(__file__).parent / "programs" / "global_mesh.py"
 
 
 @serial_only
@@ -24,6 +26,21 @@ def test_jax_multiprocess_api_and_mpicoll_after_initialize(ranks, devices):
     result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices], timeout=180)
     assert result.returncode == 0, result.summary()
     assert f"ALL OK ({ranks} ranks x {devices} devices)" in result.stdout, result.summary()
+
+
+@serial_only
+@pytest.mark.parametrize("ranks,devices", [(2, 1), (2, 2), (3, 1)])
+def test_a_global_mesh_program_runs_its_collectives_on_mpicoll(ranks, devices, tmp_path):
+    # The same program in one process over ranks x devices first: the reference.
+    reference = tmp_path / "reference.npz"
+    made = subprocess.run([sys.executable, GLOBAL_MESH, str(devices), str(reference),
+                           "--reference", str(ranks)], cwd=GLOBAL_MESH.parent,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    result = run_mpiexec(ranks, [sys.executable, GLOBAL_MESH, devices, reference], timeout=300)
+    assert result.returncode == 0, result.summary()
+    assert f"ALL OK ({ranks} ranks x {devices} devices, global mesh)" in result.stdout, \
+        result.summary()
 
 
 def test_initialize_refuses_when_jax_has_started():

@@ -28,6 +28,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
+from lax_cases import CASES, blocks  # noqa: E402
 from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -37,36 +38,6 @@ REFERENCE_MESH = Mesh(np.array(jax.devices()).reshape(SIZE, LOCAL), ("r", "dev")
 MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
 LAYOUTS = [(R,), (R, "dev"), ("dev", R)]
 failures = []
-
-# name -> (body(x, axes, participants in them), each participant's block shape).
-# "tile": (2, 2 * N), a block the participants of any of the layouts can share.
-TILE = (2, 2 * N)
-CASES = {
-    "psum": (lambda x, a, n: lax.psum(x, a), (2, 3)),
-    "pmean": (lambda x, a, n: lax.pmean(x, a), (2, 3)),
-    "pmax": (lambda x, a, n: lax.pmax(x, a), (2, 3)),
-    "pmin": (lambda x, a, n: lax.pmin(x, a), (2, 3)),
-    "psum of a constant": (lambda x, a, n: x * lax.psum(1, a), (2,)),
-    "axis_size": (lambda x, a, n: x + lax.axis_size(a), (2,)),
-    "axis_index": (lambda x, a, n: x * lax.axis_index(a), (2,)),
-    "all_gather": (lambda x, a, n: lax.all_gather(x, a)[None], (2, 3)),
-    "all_gather axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1), (2, 3)),
-    "all_gather tiled axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1, tiled=True),
-                                (2, 3)),
-    "psum_scatter": (lambda x, a, n: lax.psum_scatter(x.reshape(n, -1), a)[None], TILE),
-    "psum_scatter tiled axis=1": (
-        lambda x, a, n: lax.psum_scatter(x, a, scatter_dimension=1, tiled=True), TILE),
-    "all_to_all": (lambda x, a, n: lax.all_to_all(x, a, 1, 1, tiled=True), TILE),
-    "all_to_all untiled": (lambda x, a, n: lax.all_to_all(
-        x.reshape(x.shape[0], n, -1), a, 1, 0).reshape(x.shape[0] * n, -1), TILE),
-    "ppermute ring": (lambda x, a, n: lax.ppermute(x, a, [(i, (i + 1) % n) for i in range(n)]),
-                      (2, 3)),
-    "ppermute partial": (lambda x, a, n: lax.ppermute(
-        x, a, [(0, n - 1)] + [(i, i - 1) for i in range(2, n)]), (2, 3)),
-    "nonlinear mix": (lambda x, a, n: jnp.tanh(lax.psum(x * x, a)) * x + lax.ppermute(
-        jnp.sin(x), a, [(i, (i + 1) % n) for i in range(n)]), (2, 3)),
-}
-
 
 def data(shape, seed):
     return np.random.default_rng(seed).normal(size=(N, *shape))
@@ -101,7 +72,7 @@ def mine(global_array):
 
 
 def run_case(name, body, shape, axes, vmapped):
-    everyone = data(shape, sum(map(ord, name)))
+    everyone = data(blocks(shape, N), sum(map(ord, name)))
     if vmapped:  # the body under vmap, over a leading batch of 2 inside each block
         everyone = np.stack([everyone, everyone * 2 + 1], axis=1)
         inner = body

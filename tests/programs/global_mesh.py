@@ -1,0 +1,147 @@
+"""A global-mesh program on mpicoll's transport:
+
+    python global_mesh.py L REFERENCE.npz --reference R   (one process, R x L devices)
+    mpiexec -n R python global_mesh.py L REFERENCE.npz
+
+After mpicoll.distributed.initialize() (the one line that differs from a gloo
+program), the bodies of lax_cases.py run inside shard_map over meshes of every
+process's devices, with global arrays from make_array_from_process_local_data:
+a mesh ("x",) of R x L devices (with L > 1 the axis spans processes and their
+devices), and a mesh ("proc", "dev") collecting over ("proc",) and over
+("proc", "dev").  The reference is the same program in one process over R x L
+devices (JAX's own collectives), run first with --reference.  Values and vjps
+are compared, and the compiled programs are checked to hold no XLA collective
+(everything that crossed processes went through mpicoll).  Prints "ALL OK".
+"""
+
+import os
+import re
+import sys
+
+LOCAL = int(sys.argv[1])
+REFERENCE_FILE = sys.argv[2]
+MAKING_REFERENCE = "--reference" in sys.argv
+SIZE = int(sys.argv[sys.argv.index("--reference") + 1]) if MAKING_REFERENCE else None
+DEVICES_HERE = SIZE * LOCAL if MAKING_REFERENCE else LOCAL
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES_HERE}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from lax_cases import CASES, blocks  # noqa: E402
+
+if not MAKING_REFERENCE:
+    from mpi4py import MPI  # noqa: E402
+
+    import mpicoll.distributed  # noqa: E402
+    from report import report_and_exit  # noqa: E402
+
+    mpicoll.distributed.initialize(initialization_timeout=60)
+    RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    REFERENCE = dict(np.load(REFERENCE_FILE))
+else:
+    RANK, REFERENCE = 0, {}
+jax.config.update("jax_enable_x64", True)
+N = SIZE * LOCAL
+MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL) if not MAKING_REFERENCE else slice(0, N)
+# (mesh shape, mesh axis names, the axes collected over)
+LAYOUTS = [((N,), ("x",), ("x",)),
+           ((SIZE, LOCAL), ("proc", "dev"), ("proc",)),
+           ((SIZE, LOCAL), ("proc", "dev"), ("proc", "dev"))]
+XLA_COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|collective-permute|"
+                            r"reduce-scatter|collective-broadcast")
+NO_VJP = ("pmax", "pmin", "all_to_all untiled")  # JAX has none of its own to compare with
+failures = []
+
+
+def check(name, got, expected):
+    try:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
+    except AssertionError as error:
+        failures.append(f"{name}: {str(error)[:600]}")
+
+
+def attempt(name, fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 -- reported, then the job fails
+        failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
+
+
+def data(shape, seed):
+    return np.random.default_rng(seed).normal(size=(N, *shape))
+
+
+def local_blocks(everyone):
+    return everyone[MINE].reshape((-1, *everyone.shape[2:]))
+
+
+def mine(global_array):
+    """This process's blocks of a global array, in device order."""
+    shards = sorted(global_array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])
+
+
+def run_case(key, body, block, shape, names, axes):
+    everyone = data(blocks(block, N), sum(map(ord, key)))
+    count = int(np.prod([shape[names.index(a)] for a in axes]))
+    mesh = jax.make_mesh(shape, names)
+    spec = P(names)
+    as_global = lambda rows: jax.make_array_from_process_local_data(  # noqa: E731
+        NamedSharding(mesh, spec), local_blocks(rows))
+    x = as_global(everyone)
+    program = jax.jit(jax.shard_map(lambda x: body(x, axes, count), mesh=mesh, in_specs=spec,
+                                    out_specs=spec))
+    got = mine(program(x))
+    if MAKING_REFERENCE:
+        REFERENCE[key] = got
+    else:
+        text = program.lower(x).compile().as_text()
+        if XLA_COLLECTIVE.search(text):
+            failures.append(f"{key}: an XLA collective is left: {XLA_COLLECTIVE.search(text)[0]}")
+        check(key, got, np.concatenate(np.split(REFERENCE[key], N)[MINE]))
+    if key.startswith(NO_VJP):
+        return
+    out_block = REFERENCE[key].shape[0] // N if not MAKING_REFERENCE else got.shape[0] // N
+    cotangents = data((out_block, *got.shape[1:]), 7)
+    _, pullback = jax.vjp(program, x)
+    grad = mine(pullback(as_global(cotangents))[0])
+    if MAKING_REFERENCE:
+        REFERENCE[key + ": vjp"] = grad
+    else:
+        check(key + ": vjp", grad, np.concatenate(np.split(REFERENCE[key + ": vjp"], N)[MINE]))
+
+
+for shape, names, axes in LAYOUTS:
+    if LOCAL == 1 and len(shape) == 2:
+        continue  # the same as ("x",) with one device per process
+    for name, (body, block) in CASES.items():
+        key = f"{name} over {axes} of {shape}"
+        attempt(key, lambda: run_case(key, body, block, shape, names, axes))
+
+def a_mesh_not_process_major_is_refused():
+    # Devices listed the other way round: every process refuses it when lowering.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(LOCAL))
+    program = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "x"), mesh=mesh, in_specs=P("x"),
+                                    out_specs=P("x")))
+    try:
+        program.lower(x)
+    except ValueError as error:
+        if "process-major" not in str(error):
+            failures.append(f"not process-major: another error: {error}")
+    else:
+        failures.append("a mesh whose devices are not process-major was lowered")
+
+
+if not MAKING_REFERENCE and SIZE > 1:
+    attempt("a mesh not process-major", a_mesh_not_process_major_is_refused)
+
+if MAKING_REFERENCE:
+    if failures:
+        sys.exit("\n".join(failures))
+    np.savez(REFERENCE_FILE, **REFERENCE)
+else:
+    report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices, global mesh)")
