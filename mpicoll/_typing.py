@@ -7,8 +7,12 @@ outputs (allreduce/allgather/bcast over every rank: invariant; the rest:
 varying) and take per-rank inputs, casting an invariant one with pvary.  JAX
 then does the rest with its own rules: it inserts pvary where an invariant value
 meets a varying one (the cotangent of a replicated parameter is summed over
-ranks, via route_pvary_transpose below) and rejects a loop whose carry changes
-type (a per-rank carry that an allreduce makes identical).
+ranks: pvary's transpose, psum over RANKS, reaches mpicoll through
+_lax_over_ranks.py) and rejects a loop whose carry changes type (a per-rank
+carry that an allreduce makes identical).
+
+The same typing holds over the axes of a global mesh that a communicator made
+for them stands for (typed_axes).
 
 Outside such a mesh nothing is typed and mpicoll's convention applies: a value
 identical on every rank (the output of allreduce, allgather, bcast) is one
@@ -242,12 +246,6 @@ def check_reverse_mode(name, params):
         "MPICOLL_AUTODIFF=convention (README: vmap and autodiff)")
 
 
-def _sum_over_ranks(ct):
-    everyone = world()
-    return _sum_over(ct, everyone.slot, everyone.size)
-
-
-_compat.route_pvary_transpose(RANKS, _sum_over_ranks)
 # The lax collectives over RANKS are routed to mpicoll's when they bind
 # (_lax_over_ranks.py); one that reaches XLA anyway (bound before mpicoll was
 # imported, e.g. in a jaxpr traced earlier) would act on this process alone.

@@ -20,7 +20,7 @@ from .transforms import (  # noqa: F401
 from .mesh import (  # noqa: F401
     all_gather_invariant, axis_in_manual_mesh, current_mesh_shape, lowering_mesh,
     manual_mesh_axes, check_vma_enabled, devices_running_this_trace,
-    pvary, refuse_lax_collectives_over, route_lax_collectives, route_pvary_transpose, size_axis,
+    pvary, refuse_lax_collectives_over, route_lax_collectives, size_axis,
     varying_axes, with_varying_axes)
 from . import dispatch_hooks  # noqa: F401
 from .dispatch_hooks import (  # noqa: F401

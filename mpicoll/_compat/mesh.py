@@ -4,11 +4,9 @@ import jax
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import mesh as _mesh
-from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lax import parallel as _parallel
 
-from .transforms import Zero, zero_tangent
 
 
 def check_vma_enabled():
@@ -55,33 +53,6 @@ def with_varying_axes(aval, axes):
     if mat is not None:
         return aval.update(manual_axis_type=mat.update(varying=axes))
     return aval.update(vma=axes)
-
-
-def route_pvary_transpose(axis, transpose_over_axis):
-    """Make the transpose of JAX's own pvary over `axis` call transpose_over_axis.
-
-    JAX inserts pvary where an invariant value meets a varying one (a replicated
-    parameter times per-device data) and transposes it to psum over the mesh
-    axes, which XLA runs among the local devices.  For mpicoll's ranks axis the
-    sum is over MPI ranks instead: transpose_over_axis(ct) does that part and
-    JAX's rule the other axes.  Other pvary axes are untouched.
-    """
-    pvary = getattr(_core, "pvary_p", None)
-    original = _ad.primitive_transposes.get(pvary)
-    if original is None or getattr(original, "_mpicoll_routed", None) == axis:
-        return
-
-    def transpose(ct, x, *, axes):
-        if axis not in axes:
-            return original(ct, x, axes=axes)
-        if type(ct) is Zero:
-            return [zero_tangent(x.aval)]
-        rest = tuple(a for a in axes if a != axis)
-        ct = transpose_over_axis(ct)
-        return original(ct, x, axes=rest) if rest else [ct]
-
-    transpose._mpicoll_routed = axis
-    _ad.primitive_transposes[pvary] = transpose
 
 
 def refuse_lax_collectives_over(axis, message):
