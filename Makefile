@@ -16,7 +16,8 @@
 #                                benchmarks/results/); then dispatch.py, check_mode.py,
 #                                thread_level.py (a 4 B allreduce at each MPI thread level)
 #                                overlap.py (mpicoll.overlap() step times) and
-#                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB)
+#                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
+#                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
 #                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
 #   make clean                   remove the venvs and every build product
@@ -319,6 +320,10 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/overlap.py --xla-threads 1 --skip-small
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/global_allreduce.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB)
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

@@ -46,7 +46,11 @@ class DeviceOrderDispatch:
         self._fence = None
 
     def _applies(self, closed_jaxpr, num_devices, platforms):
-        return (self.active and num_devices == 1 and tuple(platforms) == ("cpu",)
+        # A program over several processes' devices (a global mesh after
+        # jax.distributed) runs on this process's devices alone: with one local
+        # device, its executions here queue on that device like any other.
+        on_one_device_here = num_devices == 1 or jax.local_device_count() == 1
+        return (self.active and on_one_device_here and tuple(platforms) == ("cpu",)
                 and any(isinstance(e, self.effect_type) for e in closed_jaxpr.effects))
 
     def _rewrite(self, closed_jaxpr, num_devices, platforms):
