@@ -197,6 +197,10 @@ def main():
         checks["16 B: jax+gloo / mpicoll"] = (medians["jax+gloo"]["16 B"] / m["16 B"], 50)
     checks["4 MiB: mpicoll / mpicoll.allreduce"] = (
         m["4 MiB"] / medians["mpicoll.allreduce"]["4 MiB"], 1.3)
+    if args.local > 1:
+        print("(the targets are set for one device per process; with several, every psum "
+              "meets the local devices in mpicoll's handler)")
+        checks = {}
     for name, (value, target) in checks.items():
         met = value >= target if "gloo" in name else value <= target
         print(f"{name}: {value:.2f} (target {'>=' if 'gloo' in name else '<='} {target}: "

@@ -7,6 +7,8 @@ where every body also runs over (RANKS, dev) and (dev, RANKS), under vmap and
 vjp, against the same body over a one-process mesh of ranks x devices.
 """
 
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -152,3 +154,40 @@ def test_every_layout_transform_and_type_matches_one_process_over_every_device(r
     result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices], cwd=PROGRAM.parent)
     assert result.returncode == 0, result.summary()
     assert f"ALL OK ({ranks} ranks x {devices} devices)" in result.stdout, result.summary()
+
+
+def _numbers(line):
+    return [float(v) for v in re.findall(r"-?\d+\.\d+(?:e[-+]?\d+)?", line)]
+
+
+def _reference_numbers():
+    """examples/jax_vocabulary.py's training and heat equation in numpy, one process."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(64, 3)).astype(np.float32)
+    Y = (X @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1 * rng.normal(size=64)).astype(
+        np.float32)
+    w = np.zeros(3)
+    for _ in range(10):
+        residual = X @ w - Y
+        loss = np.mean(residual ** 2)
+        w = w - 0.1 * 2 * X.T @ residual / len(X)
+    u = np.sin(np.linspace(0, 2 * np.pi, 32, endpoint=False))
+    for _ in range(20):
+        u = u + 0.25 * (np.roll(u, 1) - 2 * u + np.roll(u, -1))
+    return list(np.round(w, 4)) + [loss, float(np.sum(u * u))]
+
+
+@serial_only
+def test_one_program_in_jax_vocabulary_runs_three_ways_alike():  # "jax_vocabulary.py"
+    example = Path(__file__).parent.parent / "examples" / "jax_vocabulary.py"
+    local = subprocess.run([sys.executable, example, "local"], capture_output=True, text=True,
+                           timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    lines = {"local": next(line for line in local.stdout.splitlines() if line.startswith("local:"))}
+    for way in ("ranks", "global"):
+        result = run_mpiexec(2, [sys.executable, example, way], timeout=300)
+        assert result.returncode == 0, result.summary()
+        lines[way] = next(line for line in result.stdout.splitlines() if line.startswith(way))
+    expected = _reference_numbers()
+    for way, line in lines.items():
+        np.testing.assert_allclose(_numbers(line), expected, rtol=2e-4, atol=2e-4, err_msg=line)
