@@ -13,6 +13,9 @@ excludes Python dispatch; one psum per call at 4 MiB).  Rows, per psum:
   mpicoll     after mpicoll.distributed.initialize(): the psum runs on MPI
   jax+gloo    after jax.distributed.initialize() with gloo (JAX's CPU default),
               in fresh child processes (benchmarks/jax_gloo.py)
+  jit, XLA's psum  plain jit of jnp.mean on the global array, after
+              mpicoll.distributed.initialize(): the all-reduce XLA's partitioner
+              inserts, on JAX's own CPU collectives (gloo), not mpicoll's
   local psum  the same program over a mesh of this process's devices alone: the
               program's own cost without communication
   mpicoll.allreduce  mpicoll's own call in the same loop, on a plain local array
@@ -159,12 +162,18 @@ def main():
         local_x = jax.device_put(np.ones((args.local * count,), np.float32),
                                  jax.sharding.NamedSharding(local_mesh, P("x")))
         local_program = psum_program(jax, local_mesh, inner, 1.0)
+        # The partitioner's own all-reduce (plain jit on the global array): JAX's.
+        sharding = x.sharding
+        partitioned = jax.jit(lambda v, inner=inner: jax.lax.fori_loop(
+            0, inner, lambda i, v: jax.lax.with_sharding_constraint(
+                v * 0 + jax.numpy.mean(v), sharding), v))
         y = jax.numpy.ones((count,), np.float32)
         loop = jax.jit(lambda v: jax.lax.fori_loop(
             0, inner, lambda i, v: mpicoll.allreduce(v) * (1.0 / comm.Get_size()), v))
         np.testing.assert_allclose(np.asarray(loop(y)), 1.0, rtol=1e-5)
         calls = {
             "mpicoll": (lambda: program(x).block_until_ready(), inner),
+            "jit, XLA's psum": (lambda: partitioned(x).block_until_ready(), inner),
             "local psum": (lambda: local_program(local_x).block_until_ready(), inner),
             "mpicoll.allreduce": (lambda: loop(y).block_until_ready(), inner)}
         if floor is not None:
@@ -181,7 +190,8 @@ def main():
                for row, sizes in rows.items() if sizes}
     print(f"global-mesh psum, {comm.Get_size()} processes x {args.local} device(s), "
           f"jax {jax.__version__}, {platform.node()}: us per psum (median of {args.repeats})")
-    order = ["mpicoll", "jax+gloo", "local psum", "mpicoll.allreduce", "MPI floor"]
+    order = ["mpicoll", "jax+gloo", "jit, XLA's psum", "local psum", "mpicoll.allreduce",
+             "MPI floor"]
     print(f"{'':20}" + "".join(f"{label:>14}" for label in SIZES))
     for row in order:
         if row in medians:

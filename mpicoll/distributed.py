@@ -91,7 +91,10 @@ def _coordinator(host, port, node_count):
         if host is None:
             host = ("127.0.0.1" if node_count == 1
                     else socket.gethostbyname(socket.gethostname()))
-            if host.startswith("127.") and node_count > 1:
+            # 127.0.0.x and Debian's 127.0.1.1 (the machine's own name) are this
+            # machine only; other loopback addresses can be hosts' own (hosts
+            # simulated in namespaces on one loopback: launch/simcluster.py).
+            if host.startswith(("127.0.0.", "127.0.1.")) and node_count > 1:
                 return None, (f"rank 0's host name resolves to {host}, which the other "
                               "nodes cannot reach; pass coordinator_host=")
         if port is None:

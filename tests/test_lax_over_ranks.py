@@ -191,3 +191,11 @@ def test_one_program_in_jax_vocabulary_runs_three_ways_alike():  # "jax_vocabula
     expected = _reference_numbers()
     for way, line in lines.items():
         np.testing.assert_allclose(_numbers(line), expected, rtol=2e-4, atol=2e-4, err_msg=line)
+
+
+def test_the_readme_snippet_runs_as_written():
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"<!-- lax-over-ranks -->\n```python\n(.*?)```", text, re.S).group(1)
+    names = {}
+    exec(compile(code, "README.md (lax-over-ranks)", "exec"), names)
+    np.testing.assert_array_equal(names["total"], [SIZE * jax.local_device_count()])

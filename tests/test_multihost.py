@@ -163,6 +163,20 @@ def test_global_axis_name_ops_across_hosts(devices_job):
     assert job.returncode == 0, summary(job)
 
 
+def test_a_global_mesh_program_across_hosts(tmp_path):
+    # mpicoll.distributed.initialize() finds the coordinator on simhost0 (another
+    # network namespace), and the lax collectives of a global mesh cross hosts on
+    # MPI: 2 hosts x 1 rank x 2 devices, against the program in one process.
+    program = REPO / "tests" / "programs" / "global_mesh.py"
+    reference = tmp_path / "reference.npz"
+    made = subprocess.run([sys.executable, program, "2", reference, "--reference", "2"],
+                          cwd=program.parent, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    job = simcluster((1, 1), [sys.executable, program, "2", reference])
+    assert job.returncode == 0, summary(job)
+    assert "ALL OK (2 ranks x 2 devices, global mesh)" in job.out, summary(job)
+
+
 def test_demo_across_hosts():
     job = simcluster((1, 1, 1), [sys.executable, REPO / "examples" / "demo.py"])
     assert job.returncode == 0, summary(job)
