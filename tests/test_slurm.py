@@ -154,6 +154,13 @@ def test_template_with_mpiexec_inside_the_allocation(slurm):
     assert "heat_equation: ok" in text
 
 
+def test_a_global_mesh_program_in_a_batch_job(slurm):
+    """mpicoll.distributed.initialize() under srun: a global-mesh program on mpicoll."""
+    state, exit_code, text = submit(slurm, "examples/jax_vocabulary.py", "global")
+    assert state == "COMPLETED" and exit_code == "0:0", text
+    assert "global: matches numpy: True" in text
+
+
 def test_plain_srun_is_caught(slurm):
     """srun without --mpi=pmi2 starts independent 1-rank jobs; `mpicoll info` says so and fails."""
     if _mpi_is_open_mpi():
