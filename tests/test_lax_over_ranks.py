@@ -7,6 +7,7 @@ where every body also runs over (RANKS, dev) and (dev, RANKS), under vmap and
 vjp, against the same body over a one-process mesh of ranks x devices.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import mpicoll
-from conftest import run_mpiexec, serial_only
+from conftest import MPIEXEC, run_mpiexec, serial_only
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -164,10 +165,19 @@ def test_one_program_in_jax_vocabulary_runs_three_ways_alike():  # "jax_vocabula
                            timeout=300)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     outputs = {"local": local.stdout}
-    for way in ("ranks", "global"):
-        result = run_mpiexec(2, [sys.executable, example, way], timeout=300)
-        assert result.returncode == 0, result.summary()
-        outputs[way] = result.stdout
+    ranks = run_mpiexec(2, [sys.executable, example, "ranks"], timeout=300)
+    assert ranks.returncode == 0, ranks.summary()
+    outputs["ranks"] = ranks.stdout
+    # The global mesh through launch/mpirun.sh (the launcher users run their scripts with).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "MPIR_CVAR_", "SLURM_", "MPICOLL_", "PMI", "XLA_"))}
+    env.update(MPICOLL_VENV=sys.prefix, MPICOLL_LAUNCH_TIMEOUT="280",
+               **({"MPICOLL_MPIEXEC": str(MPIEXEC)} if MPIEXEC else {}))
+    launched = subprocess.run([str(example.parent.parent / "launch" / "mpirun.sh"), "-n", "2",
+                               sys.executable, example, "global"], capture_output=True,
+                              text=True, timeout=300, env=env)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    outputs["global"] = launched.stdout
     lines = {}
     for way, out in outputs.items():
         assert f"{way}: matches numpy: True" in out, out

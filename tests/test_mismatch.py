@@ -45,6 +45,12 @@ CASES = {
     "pytree": (mpicoll.allreduce, lambda: _odd_one_out(
         {"a": jnp.ones(SHAPE, jnp.int8)},
         {"a": jnp.ones(SHAPE, jnp.int8), "b": jnp.ones(SHAPE, jnp.int8)})),
+    # JAX's own vocabulary over the ranks is checked like mpicoll's calls.
+    "lax.psum over RANKS": (
+        lambda x: jax.shard_map(lambda v: jax.lax.psum(v, mpicoll.RANKS), mesh=mpicoll.mesh(),
+                                in_specs=jax.sharding.PartitionSpec(mpicoll.RANKS),
+                                out_specs=jax.sharding.PartitionSpec())(x),
+        lambda: jnp.ones(_odd_one_out((5, 11), (5, 12)), jnp.float32)),
     # A non-root rank passes only its own block: it rejects the call, root would
     # have run it; the rejection meets root's check, so both raise.
     "scatter block": (mpicoll.scatter, lambda: _odd_one_out(jnp.ones((SIZE, *SHAPE), jnp.float32),
