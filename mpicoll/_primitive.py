@@ -12,6 +12,7 @@ evaluation, eager evaluation, the lowering, batching and AD rules.
 
 import functools
 import itertools
+import os
 
 import jax
 import numpy as np
@@ -55,12 +56,18 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
                                 operand_output_aliases=aliases)
     if numbered:
         attributes["site"] = next(_call_sites)
+        where = _compat.user_source_line(ctx, _PACKAGE)
+        if where:
+            _native.extension.describe_site(attributes["site"], where)
     attributes = {name: np.int64(value) if isinstance(value, (int, np.integer)) else value
                   for name, value in attributes.items()}
     token, *outs = call(_compat.with_token_avals(ctx), token, *operands, **attributes)
     if ordered:
         _compat.set_token_out(ctx, mpi_effect, token)
     return outs
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpicoll's own frames
 
 
 @functools.lru_cache(maxsize=None)

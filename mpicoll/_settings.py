@@ -9,7 +9,8 @@ measurements and tests.  `sources()` says where each value came from.
   variable                     values (default first)               what it sets
   MPICOLL_ABORT_ON_ERROR       1 with more than one rank, else 0     failures.py
   MPICOLL_CHECK                first-run | every-call (all, 1) | off (0)
-  MPICOLL_TIMEOUT              seconds, 0 or unset = never
+  MPICOLL_TIMEOUT              600 seconds; 0 = never                failures.py
+  MPICOLL_STALL_REPORT         60 seconds; 0 = off                   failures.py
   MPICOLL_AUTODIFF             checked | convention
   MPICOLL_DISPATCH             default | device-order | tokens
   MPICOLL_GPU_TRANSPORT        auto | staged | cuda-aware
@@ -24,6 +25,10 @@ import dataclasses
 import os
 
 DEFAULT_GPU_CHUNK_BYTES = 4 << 20
+# A job stuck in a collective ends after 10 minutes (PyTorch's default too),
+# with the stall report, first written after a minute, as the reason.
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_STALL_REPORT = 60.0
 # The measurements behind these two are in _ranks_devices.py.
 DEFAULT_LOCAL_COMBINE_BYTES = 1024 * 1024
 DEFAULT_SPLIT_ALLREDUCE_BYTES = 256 * 1024
@@ -39,7 +44,8 @@ class Settings:
     """mpicoll's settings as read from the environment (None: decided later, see field)."""
     abort_on_error: bool = None  # None: on when the job has more than one rank
     check: str = "first-run"
-    timeout: float = 0.0
+    timeout: float = DEFAULT_TIMEOUT
+    stall_report: float = DEFAULT_STALL_REPORT
     autodiff: str = "checked"
     dispatch: str = "default"  # "default": device-order where JAX allows it, else tokens
     gpu_transport: str = "auto"
@@ -95,6 +101,7 @@ _VARIABLES = {
     "abort_on_error": ("MPICOLL_ABORT_ON_ERROR", _flag),
     "check": ("MPICOLL_CHECK", _check),
     "timeout": ("MPICOLL_TIMEOUT", _seconds),
+    "stall_report": ("MPICOLL_STALL_REPORT", _seconds),
     "autodiff": ("MPICOLL_AUTODIFF", _choice(AUTODIFF_MODES)),
     "dispatch": ("MPICOLL_DISPATCH", _choice(DISPATCH_CHOICES)),
     "gpu_transport": ("MPICOLL_GPU_TRANSPORT", _choice(GPU_TRANSPORTS)),

@@ -124,11 +124,27 @@ def _register(comm, caller):
             per_device.append(dup)
     finally:
         extension.end_setup()
+    _open_side_channel(comm)
     info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(), name=name,
                     per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)
     _slot_infos[slot] = info
     return info
+
+
+_side_channel = None
+
+
+def _open_side_channel(comm):
+    """At COMM_WORLD's first use (collective, like its duplicates): the private
+    duplicate on which the ranks' watchdogs ask each other what they are doing
+    (stall reports, csrc/core/watchdog.h)."""
+    global _side_channel
+    if _side_channel is None and MPI.Comm.Compare(comm, MPI.COMM_WORLD) == MPI.IDENT:
+        _side_channel = MPI.COMM_WORLD.Dup()
+        _side_channel.Set_name("mpicoll:watchdog")
+        _side_channel.Set_errhandler(MPI.ERRORS_RETURN)
+        extension.set_side_channel(_side_channel.handle)
 
 
 def for_mesh_axes(comm, axes, caller):

@@ -10,10 +10,17 @@
   called.  By default ("first-run") each call site of a compiled program is
   checked the first time it runs, then never again; MPICOLL_CHECK=1 ("every
   call") checks every call; MPICOLL_CHECK=0 ("off") none.
-* Timeout (MPICOLL_TIMEOUT=seconds or set_timeout(seconds)): a collective not
-  completed in time reports the op, rank and communicator and aborts the job.
+* Stall report (MPICOLL_STALL_REPORT=seconds, default 60; csrc/core/watchdog.h):
+  a collective waiting longer gets one report for the job: its call site and
+  sequence number, the ranks that have arrived, and what every other rank is
+  doing (asked over a private communicator, so stuck ranks still answer);
+  repeated with back-off while the stall lasts.
+* Timeout (MPICOLL_TIMEOUT=seconds, default 600, or set_timeout(seconds)): a
+  collective not completed in time writes that report as the reason and
+  aborts the job.
 """
 
+import atexit
 import sys
 import threading
 import traceback
@@ -69,6 +76,16 @@ def set_timeout(seconds):
     extension.set_timeout(seconds)
 
 
+def set_stall_report(seconds):
+    """Report a collective waiting longer than `seconds`, for the whole job, with back-off
+    (None or 0: never).  One report names the ranks that have not arrived and what each
+    is doing; see the README, "When things go wrong"."""
+    seconds = float(seconds or 0)
+    if seconds < 0:
+        raise ValueError(f"mpicoll.set_stall_report: seconds must be >= 0, got {seconds}")
+    extension.set_stall_report(seconds)
+
+
 def abort_on_error(exc_type, exc, tb, *, thread=None):
     """Print the rank and traceback of an uncaught exception, then abort every rank."""
     world = MPI.COMM_WORLD
@@ -109,11 +126,14 @@ def install_abort_on_error():
 
 
 def configure(settings):
-    """Apply the settings read at import (_settings.py): abort on error, check mode, timeout."""
+    """Apply the settings read at import (_settings.py): abort on error, check mode, timeout,
+    stall report."""
     world_size = MPI.COMM_WORLD.Get_size()
     abort = settings.abort_on_error if settings.abort_on_error is not None else world_size > 1
     if abort:
         install_abort_on_error()
     set_check_mode(settings.check)
-    if settings.timeout:
-        set_timeout(settings.timeout)
+    set_timeout(settings.timeout)
+    set_stall_report(settings.stall_report)
+    # Registered after mpi4py's MPI_Finalize handler, so it runs before it.
+    atexit.register(extension.stop_watchdog)

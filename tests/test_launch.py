@@ -190,7 +190,8 @@ def test_info_shows_every_setting_and_where_it_came_from():
     assert set(rows) == {f.name for f in dataclasses.fields(_settings.Settings)}
     assert rows["check"] == ["every-call", "MPICOLL_CHECK=1"]
     assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4096"]
-    assert rows["timeout"] == ["0.0", "default"]
+    assert rows["timeout"] == ["600.0", "default"]
+    assert rows["stall_report"] == ["60.0", "default"]
     assert rows["dispatch"][0] in ("device-order", "tokens")
 
 

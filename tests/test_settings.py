@@ -16,7 +16,8 @@ from conftest import serial_only
 def test_defaults_when_nothing_is_set():
     settings, sources = _settings.from_environment({})
     assert settings == _settings.Settings()
-    assert settings.check == "first-run" and settings.timeout == 0
+    assert settings.check == "first-run" and settings.timeout == 600
+    assert settings.stall_report == 60
     assert settings.local_combine_bytes == 1 << 20
     assert settings.split_allreduce_bytes == 256 << 10
     assert set(sources.values()) == {"default"}

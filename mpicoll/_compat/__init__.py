@@ -13,7 +13,8 @@ from .core import (  # noqa: F401
     JAX_VERSION, Effect, ShapedArray, abstract_token, apply_primitive, aval_with_shape,
     backends_initialized,
     at_top_level, create_token, register_call_site_lowering, register_lowering,
-    register_ordered_effect, reset_effect_tokens, set_token_out, token_in, with_token_avals)
+    register_ordered_effect, reset_effect_tokens, set_token_out, token_in, user_source_line,
+    with_token_avals)
 from .transforms import (  # noqa: F401
     Zero, is_undefined_primal, register_batching, register_jvp, register_transpose,
     transpose_rule, zero_tangent)

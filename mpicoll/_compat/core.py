@@ -102,3 +102,16 @@ def backends_initialized():
     """Whether JAX has created its backends (after which jax.distributed cannot start)."""
     from jax._src import xla_bridge
     return bool(xla_bridge.backends_are_initialized())
+
+
+def user_source_line(ctx, skip_prefix):
+    """"file:line (function)" of the user's code a lowering rule's equation was traced
+    at: the first frame JAX counts as user code whose file is not under skip_prefix."""
+    from jax._src import source_info_util
+    traceback = getattr(ctx, "traceback", None)
+    if traceback is None:
+        return None
+    for frame in source_info_util.user_frames(traceback):
+        if not frame.file_name.startswith(skip_prefix):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return None

@@ -168,7 +168,7 @@ ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi:
   Call waiting = c;
   waiting.name = "allreduce (waiting for this process's other local devices)";
   {
-    InFlightScope watched(waiting, device);
+    InFlightScope watched(waiting, device, /*new_call=*/false);
     AwaitLocal(m, lock, [&] {
       return m.arrived.load() == m.expected || m.generation.load() != generation;
     });
@@ -189,7 +189,7 @@ ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi:
     m.changed.notify_all();
     if (device == leader) {
       {
-        InFlightScope watched(waiting, device);
+        InFlightScope watched(waiting, device, /*new_call=*/false);
         AwaitLocal(m, lock, [&] { return m.reduced.load() == m.expected; });
       }
       if (m.error.empty()) {
@@ -203,7 +203,7 @@ ffi::Error CpuLocalAllreduceEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi:
       m.generation.store(generation + 1);
       m.changed.notify_all();
     } else {
-      InFlightScope watched(waiting, device);
+      InFlightScope watched(waiting, device, /*new_call=*/false);
       AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
     }
   }

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/algorithms.h"
+#include "core/watchdog.h"
 #include "core/collectives.h"
 #include "core/comm_table.h"
 #include "core/dtypes.h"
@@ -403,8 +404,47 @@ PyObject* SetTimeout(PyObject*, PyObject* arg) {
   double seconds = PyFloat_AsDouble(arg);
   if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
   timeout_seconds.store(seconds > 0 ? seconds : 0.0);
-  if (seconds > 0 && !watchdog_started.exchange(true)) std::thread(Watchdog).detach();
+  if (seconds > 0) StartWatchdog();
   Py_RETURN_NONE;
+}
+
+PyObject* SetStallReport(PyObject*, PyObject* arg) {
+  double seconds = PyFloat_AsDouble(arg);
+  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
+  stall_report_seconds.store(seconds > 0 ? seconds : 0.0);
+  if (seconds > 0) StartWatchdog();
+  Py_RETURN_NONE;
+}
+
+// The watchdogs' private duplicate of COMM_WORLD (made once, collectively, in Python).
+PyObject* SetSideChannel(PyObject*, PyObject* arg) {
+  unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  side_channel.store(HandleFromInteger<MPI_Comm>(handle));
+  Py_RETURN_NONE;
+}
+
+PyObject* DescribeSite(PyObject*, PyObject* args) {
+  long long site;
+  const char* text;
+  if (!PyArg_ParseTuple(args, "Ls", &site, &text)) return nullptr;
+  std::lock_guard<std::mutex> lock(site_mutex);
+  site_descriptions[site] = text;
+  Py_RETURN_NONE;
+}
+
+PyObject* PyStopWatchdog(PyObject*, PyObject*) {
+  Py_BEGIN_ALLOW_THREADS
+  StopWatchdog();
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// What stall reports show of this rank now (tests, `python -m mpicoll info`).
+PyObject* OwnStateText(PyObject*, PyObject*) {
+  RankState s = OwnState();
+  std::string text = s.in_collective ? Describe(s) : std::string("not in a collective");
+  return PyUnicode_FromString(text.c_str());
 }
 
 // True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
@@ -455,6 +495,14 @@ PyMethodDef methods[] = {
     {"compare_call", CompareCall, METH_VARARGS,
      "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
     {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
+    {"set_stall_report", SetStallReport, METH_O,
+     "Report a collective that waits longer than this, for the whole job (0 = off)."},
+    {"set_side_channel", SetSideChannel, METH_O,
+     "The communicator (handle) the watchdogs ask each other's state on."},
+    {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
+    {"own_state", OwnStateText, METH_NOARGS, "What a stall report would say of this rank now."},
+    {"stop_watchdog", PyStopWatchdog, METH_NOARGS,
+     "At exit, before MPI is finalized: the watchdog makes no more MPI calls."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"reduction_ops", ReductionOps, METH_NOARGS,
      "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "call.h"
@@ -118,14 +119,20 @@ inline std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const 
 }
 
 // ---------------------------------------------------------------------------
-// Timeout: each device records the collective it is in; a watchdog thread
-// aborts the job when one has waited longer than the timeout, saying what it
-// waited on.  A hung collective then costs the timeout, not the allocation.
+// What each local device is doing, for the watchdog (core/watchdog.h): the
+// collective it is in, since when, its sequence number on its communicator
+// and its call site; when it last left one.  A few relaxed atomic stores per
+// call, so it is always on.
 struct InFlight {
   std::atomic<int64_t> started_ns{0};
   std::atomic<const char*> name{nullptr};
   std::atomic<int> rank{-1};
-  MPI_Comm comm = MPI_COMM_NULL;
+  std::atomic<MPI_Comm> comm{MPI_COMM_NULL};
+  std::atomic<int64_t> site{-1};
+  std::atomic<uint64_t> sequence{0};
+  std::atomic<int> dtype{0};
+  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> left_ns{0};  // when this device last left a collective
 };
 // One slot per local device, plus one for the communicator setup Python does
 // collectively at a communicator's first use (MPI_Comm_dup per device): a rank
@@ -134,12 +141,13 @@ constexpr int kSetupSlot = kMaxLocalDevices;
 inline InFlight in_flight[kMaxLocalDevices + 1];
 inline std::string setup_description;  // what kSetupSlot waits on (set from Python, under the GIL)
 inline std::atomic<double> timeout_seconds{0.0};
-inline std::atomic<bool> watchdog_started{false};
+inline std::atomic<double> stall_report_seconds{0.0};
 
 inline int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+inline const int64_t process_start_ns = NowNs();
 
 // Ends the whole job after a report was written to stderr.  The launcher
 // forwards a rank's output through a pipe, and on MPI_Abort it may tear the
@@ -154,48 +162,31 @@ inline int64_t NowNs() {
   std::_Exit(code);  // MPI_Abort returned (it should not)
 }
 
-inline void Watchdog() {
-  for (;;) {
-    double limit = timeout_seconds.load();
-    std::this_thread::sleep_for(std::chrono::milliseconds(limit > 0 && limit < 2 ? 20 : 200));
-    if (limit <= 0) continue;
-    int64_t now = NowNs();
-    for (int d = 0; d <= kSetupSlot; ++d) {
-      int64_t started = in_flight[d].started_ns.load();
-      if (started == 0 || (now - started) * 1e-9 < limit) continue;
-      int world_rank = -1;
-      MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-      if (d == kSetupSlot) {
-        std::fprintf(stderr,
-                     "mpicoll: rank %d has waited %.1f s in %s (MPICOLL_TIMEOUT=%g): this is "
-                     "collective, so another rank has not reached its first collective on that "
-                     "communicator; aborting the job\n",
-                     world_rank, (now - started) * 1e-9, in_flight[d].name.load(), limit);
-      } else {
-        std::fprintf(stderr,
-                     "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
-                     "(MPICOLL_TIMEOUT=%g); aborting the job\n",
-                     world_rank, in_flight[d].rank.load(), CommName(in_flight[d].comm).c_str(),
-                     d, (now - started) * 1e-9, in_flight[d].name.load(), limit);
-      }
-      AbortJob(3);
-    }
-  }
-}
+// The number of collectives each device has entered on each communicator: a
+// collective's sequence number, the same on every rank that has reached it.
+// Touched by the device's own (sequential) program only.
+inline std::unordered_map<MPI_Comm, uint64_t> sequences[kMaxLocalDevices + 1];
 
 // Marks a device as inside a collective for the watchdog, for one scope.
+// new_call=false: a wait inside a call already counted (the local devices'
+// meeting of the combined allreduce), which keeps its sequence number.
 struct InFlightScope {
   InFlight* slot = nullptr;
-  InFlightScope(const Call& c, int32_t device) {
-    if (timeout_seconds.load(std::memory_order_relaxed) <= 0) return;
+  InFlightScope(const Call& c, int32_t device, bool new_call = true) {
     slot = &in_flight[device];
-    slot->name.store(c.name);
-    slot->rank.store(c.rank);
-    slot->comm = c.comm;
-    slot->started_ns.store(NowNs());
+    slot->name.store(c.name, std::memory_order_relaxed);
+    slot->rank.store(c.rank, std::memory_order_relaxed);
+    slot->comm.store(c.comm, std::memory_order_relaxed);
+    slot->site.store(c.site, std::memory_order_relaxed);
+    uint64_t& sequence = sequences[device][c.comm];
+    slot->sequence.store(new_call ? ++sequence : sequence, std::memory_order_relaxed);
+    slot->dtype.store(static_cast<int>(c.dtype), std::memory_order_relaxed);
+    slot->count.store(static_cast<int64_t>(c.in_count), std::memory_order_relaxed);
+    slot->started_ns.store(NowNs(), std::memory_order_release);
   }
   ~InFlightScope() {
-    if (slot) slot->started_ns.store(0);
+    slot->left_ns.store(NowNs(), std::memory_order_relaxed);
+    slot->started_ns.store(0, std::memory_order_release);
   }
 };
 

@@ -1,0 +1,347 @@
+// The watchdog: a thread per process that watches what the local devices are
+// in (guard.h's in_flight) and, when a collective has waited too long,
+//   * after MPICOLL_STALL_REPORT seconds (default 60), writes one stall report
+//     for the job: the collective, its call site and sequence number, the
+//     ranks that have arrived in it and, for every other rank, what that rank
+//     is doing now (in another collective, or not in mpicoll for how long, or
+//     no answer); repeated with back-off (x2) while the stall lasts;
+//   * after MPICOLL_TIMEOUT seconds (default 600), writes that report as the
+//     reason and aborts the job.
+// What another rank is doing comes over a side channel that needs none of the
+// stuck threads: a private duplicate of COMM_WORLD on which every rank's
+// watchdog answers state requests (MPI_Iprobe every 100 ms).  It needs
+// MPI_THREAD_MULTIPLE; in the serialized mode the report holds this rank's
+// view only.  Only the lowest stalled rank prints, so the job gets one report.
+#pragma once
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "call.h"
+#include "dtypes.h"
+#include "guard.h"
+
+namespace mpicoll {
+
+inline std::atomic<MPI_Comm> side_channel{MPI_COMM_NULL};  // set once COMM_WORLD is registered
+inline std::atomic<bool> watchdog_started{false};
+// Python's exit handler sets stop before MPI is finalized and waits for
+// stopped: after it the watchdog makes no MPI call.
+inline std::atomic<bool> watchdog_stop{false}, watchdog_stopped{false};
+inline std::mutex site_mutex;
+inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line (function)"
+
+constexpr int kStateRequestTag = 7301;
+constexpr int kStateReplyTag = 7302;
+constexpr double kAnswerWithin = 3.0;  // s a report waits for the other ranks' answers
+
+inline std::string SiteText(int64_t site) {
+  std::lock_guard<std::mutex> lock(site_mutex);
+  auto found = site_descriptions.find(site);
+  return found == site_descriptions.end() ? std::string() : found->second;
+}
+
+// One rank's answer: what its busiest device is doing.  Plain bytes on the wire.
+struct RankState {
+  int32_t world_rank = -1;
+  int32_t in_collective = 0;
+  double seconds = 0;  // in the collective, or since the rank last left one
+  uint64_t sequence = 0;
+  char comm[64] = {};
+  char call[96] = {};  // e.g. allreduce(float32[4])
+  char role[64] = {};  // e.g. rank 1, local device 0
+  char site[160] = {};
+  char host[64] = {};
+};
+
+inline void Copy(char* into, size_t size, const std::string& text) {
+  std::snprintf(into, size, "%s", text.c_str());
+}
+
+// COMM_WORLD's rank and size, read once by the thread that starts the watchdog
+// (in the serialized mode the watchdog thread may not call MPI).
+inline std::atomic<int> world_rank{-1}, world_size{1};
+inline int WorldRank() { return world_rank.load(); }
+
+// The user's name of a communicator: mpicoll's duplicates are named
+// "mpicoll:<name>:device<k>" (comm.py).
+inline std::string UserCommName(std::string name) {
+  const std::string prefix = "mpicoll:";
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  const size_t device = name.rfind(":device");
+  return device == std::string::npos ? name : name.substr(0, device);
+}
+
+// This rank's state: the device that has waited longest in a collective, or,
+// when none is in one, how long since any left one.
+inline RankState OwnState() {
+  RankState s;
+  s.world_rank = WorldRank();
+  char host[64] = {};
+  gethostname(host, sizeof(host) - 1);
+  Copy(s.host, sizeof(s.host), host);
+  const int64_t now = NowNs();
+  int busiest = -1;
+  int64_t earliest = 0, last_left = 0;
+  for (int d = 0; d <= kSetupSlot; ++d) {
+    const int64_t started = in_flight[d].started_ns.load(std::memory_order_acquire);
+    last_left = std::max(last_left, in_flight[d].left_ns.load(std::memory_order_relaxed));
+    if (started != 0 && (busiest < 0 || started < earliest)) busiest = d, earliest = started;
+  }
+  if (busiest < 0) {
+    s.seconds = (now - (last_left ? last_left : process_start_ns)) * 1e-9;
+    return s;
+  }
+  const InFlight& f = in_flight[busiest];
+  s.in_collective = 1;
+  s.seconds = (now - earliest) * 1e-9;
+  if (busiest == kSetupSlot) {
+    Copy(s.call, sizeof(s.call), f.name.load() ? f.name.load() : "communicator setup");
+    Copy(s.comm, sizeof(s.comm), "MPI_COMM_WORLD");
+    return s;
+  }
+  s.sequence = f.sequence.load(std::memory_order_relaxed);
+  Copy(s.comm, sizeof(s.comm),
+       serialize_mpi_calls.load() ? std::string("its communicator")
+                                  : UserCommName(CommName(f.comm.load(std::memory_order_relaxed))));
+  Copy(s.call, sizeof(s.call),
+       std::string(f.name.load() ? f.name.load() : "?") + "(" +
+           DtypeName(static_cast<ffi::DataType>(f.dtype.load())) + "[" +
+           std::to_string(f.count.load()) + "])");
+  Copy(s.role, sizeof(s.role), "rank " + std::to_string(f.rank.load()) + ", local device " +
+                                   std::to_string(busiest));
+  Copy(s.site, sizeof(s.site), SiteText(f.site.load(std::memory_order_relaxed)));
+  return s;
+}
+
+inline bool SideChannelUp() {
+  return side_channel.load() != MPI_COMM_NULL && !serialize_mpi_calls.load();
+}
+
+// Answers every pending state request (the watchdog's loop, and while a report
+// waits for its own answers, so that two reporting ranks never wait on each other).
+inline void ServeStateRequests() {
+  MPI_Comm comm = side_channel.load();
+  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return;
+  for (;;) {
+    int pending = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kStateRequestTag, comm, &pending, &status) != MPI_SUCCESS ||
+        !pending) {
+      return;
+    }
+    int ignored = 0;
+    MPI_Recv(&ignored, 1, MPI_INT, status.MPI_SOURCE, kStateRequestTag, comm, MPI_STATUS_IGNORE);
+    RankState mine = OwnState();
+    MPI_Send(&mine, sizeof(mine), MPI_BYTE, status.MPI_SOURCE, kStateReplyTag, comm);
+  }
+}
+
+// Every rank's state, this one's included; a rank that does not answer within
+// kAnswerWithin seconds keeps world_rank = -1.
+inline std::vector<RankState> EveryRanksState() {
+  const int size = world_size.load(), me = WorldRank();
+  std::vector<RankState> states(size);
+  states[me] = OwnState();
+  if (!SideChannelUp() || size == 1) return states;
+  MPI_Comm comm = side_channel.load();
+  static int request = 0;
+  std::vector<MPI_Request> sends;
+  for (int r = 0; r < size; ++r) {
+    if (r == me) continue;
+    sends.emplace_back();
+    MPI_Isend(&request, 1, MPI_INT, r, kStateRequestTag, comm, &sends.back());
+  }
+  int answered = 1;
+  const int64_t deadline = NowNs() + static_cast<int64_t>(kAnswerWithin * 1e9);
+  while (answered < size && NowNs() < deadline) {
+    ServeStateRequests();
+    int pending = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kStateReplyTag, comm, &pending, &status);
+    if (!pending) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    RankState theirs;
+    MPI_Recv(&theirs, sizeof(theirs), MPI_BYTE, status.MPI_SOURCE, kStateReplyTag, comm,
+             MPI_STATUS_IGNORE);
+    if (states[status.MPI_SOURCE].world_rank < 0) ++answered;
+    states[status.MPI_SOURCE] = theirs;
+  }
+  // Requests to ranks that never answered stay posted; they match nothing else.
+  for (auto& send : sends) MPI_Request_free(&send);
+  return states;
+}
+
+inline std::string Describe(const RankState& s) {
+  std::string text = std::string(s.call) + " on " + s.comm;
+  if (s.role[0]) text += std::string(" (as ") + s.role + ")";
+  if (s.sequence) text += ", sequence " + std::to_string(s.sequence);
+  if (s.site[0]) text += std::string(", called at ") + s.site;
+  return text;
+}
+
+// The report, from this rank's point of view (`stalled`: this rank's state);
+// empty if a lower rank is stalled too (it reports).
+inline std::string StallReport(const std::vector<RankState>& states, int me, bool always) {
+  const RankState& mine = states[me];
+  for (int r = 0; r < me && !always; ++r) {
+    if (states[r].world_rank >= 0 && states[r].in_collective &&
+        states[r].seconds >= stall_report_seconds.load()) {
+      return std::string();
+    }
+  }
+  char head[256];
+  std::snprintf(head, sizeof(head), "mpicoll: stall report from rank %d (%s): waiting %.1f s in ",
+                me, mine.host, mine.seconds);
+  std::string text = head + Describe(mine) + "\n";
+  std::vector<int> arrived, elsewhere;
+  for (size_t r = 0; r < states.size(); ++r) {
+    const RankState& s = states[r];
+    if (s.world_rank >= 0 && s.in_collective && s.sequence == mine.sequence &&
+        std::strcmp(s.comm, mine.comm) == 0 && std::strcmp(s.call, mine.call) == 0) {
+      arrived.push_back(static_cast<int>(r));
+    } else {
+      elsewhere.push_back(static_cast<int>(r));
+    }
+  }
+  text += "  arrived (" + std::to_string(arrived.size()) + " of " +
+          std::to_string(states.size()) + " ranks):";
+  for (int r : arrived) text += " " + std::to_string(r);
+  text += "\n";
+  if (!SideChannelUp() && states.size() > 1) {
+    text += "  (the other ranks cannot be asked: MPI_THREAD_SERIALIZED, or COMM_WORLD not yet "
+            "used by mpicoll)\n";
+    return text;
+  }
+  for (int r : elsewhere) {
+    const RankState& s = states[r];
+    char line[256];
+    if (s.world_rank < 0) {
+      std::snprintf(line, sizeof(line), "  rank %d: no answer within %.0f s", r, kAnswerWithin);
+      text += std::string(line) + " (its process is gone, stopped, or its host unreachable)\n";
+    } else if (s.in_collective) {
+      std::snprintf(line, sizeof(line), "  rank %d (%s): for %.1f s in ", r, s.host, s.seconds);
+      text += line + Describe(s) + "\n";
+    } else {
+      std::snprintf(line, sizeof(line), "  rank %d (%s): not in an mpicoll collective for %.1f s",
+                    r, s.host, s.seconds);
+      text += std::string(line) + "\n";
+    }
+  }
+  return text;
+}
+
+// The line a timeout ends the job with: what this rank's longest wait is in.
+inline std::string TimeoutLine(int me, double limit) {
+  const int64_t now = NowNs();
+  int d = -1;
+  int64_t earliest = 0;
+  for (int k = 0; k <= kSetupSlot; ++k) {
+    const int64_t started = in_flight[k].started_ns.load(std::memory_order_acquire);
+    if (started != 0 && (d < 0 || started < earliest)) d = k, earliest = started;
+  }
+  char line[512];
+  if (d < 0) {
+    std::snprintf(line, sizeof(line), "mpicoll: rank %d: MPICOLL_TIMEOUT=%g; aborting the job\n",
+                  me, limit);
+  } else if (d == kSetupSlot) {
+    std::snprintf(line, sizeof(line),
+                  "mpicoll: rank %d has waited %.1f s in %s (MPICOLL_TIMEOUT=%g): this is "
+                  "collective, so another rank has not reached its first collective on that "
+                  "communicator; aborting the job\n",
+                  me, (now - earliest) * 1e-9, in_flight[d].name.load(), limit);
+  } else {
+    const std::string comm = serialize_mpi_calls.load()
+        ? std::string("its communicator") : UserCommName(CommName(in_flight[d].comm.load()));
+    std::snprintf(line, sizeof(line),
+                  "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
+                  "(MPICOLL_TIMEOUT=%g); aborting the job\n",
+                  me, in_flight[d].rank.load(), comm.c_str(), d, (now - earliest) * 1e-9,
+                  in_flight[d].name.load(), limit);
+  }
+  return line;
+}
+
+inline void Watchdog() {
+  int64_t episode = 0;      // started_ns of the wait being reported on
+  double next_report = 0;   // s into that wait
+  for (;;) {
+    double limit = timeout_seconds.load(), stall = stall_report_seconds.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(
+        (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 100));
+    if (watchdog_stop.load()) {
+      watchdog_stopped.store(true);
+      return;
+    }
+    ServeStateRequests();
+    const int64_t now = NowNs();
+    int64_t earliest = 0;
+    for (int d = 0; d <= kSetupSlot; ++d) {
+      const int64_t started = in_flight[d].started_ns.load(std::memory_order_acquire);
+      if (started != 0 && (earliest == 0 || started < earliest)) earliest = started;
+    }
+    if (earliest == 0) continue;
+    const double waited = (now - earliest) * 1e-9;
+    if (earliest != episode) episode = earliest, next_report = stall;
+    const bool timed_out = limit > 0 && waited >= limit;
+    if (!timed_out && !(stall > 0 && waited >= next_report)) continue;
+    const int me = WorldRank();
+    std::vector<RankState> states = EveryRanksState();
+    std::string report = StallReport(states, me, /*always=*/false);
+    if (timed_out) {
+      // One report for the job: the lowest stalled rank's.  The others give it
+      // a moment to end the job, then end it themselves.
+      if (report.empty()) {
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        report = StallReport(states, me, /*always=*/true);
+      }
+      std::fprintf(stderr, "%s%s", report.c_str(), TimeoutLine(me, limit).c_str());
+      AbortJob(3);
+    }
+    if (!report.empty()) {
+      char tail[160];
+      std::snprintf(tail, sizeof(tail),
+                    "  (next report after %.0f s of waiting%s)\n", next_report * 2,
+                    limit > 0 ? (", the job ends after MPICOLL_TIMEOUT=" +
+                                 std::to_string(static_cast<int>(limit)) + " s").c_str()
+                              : "; MPICOLL_TIMEOUT=0: it waits forever");
+      std::fprintf(stderr, "%s%s", report.c_str(), tail);
+      std::fflush(stderr);
+    }
+    next_report *= 2;
+  }
+}
+
+// Before MPI is finalized (Python's exit): no more MPI calls from the watchdog.
+inline void StopWatchdog() {
+  if (!watchdog_started.load() || watchdog_stopped.load()) return;
+  watchdog_stop.store(true);
+  for (int i = 0; i < 200 && !watchdog_stopped.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+inline void StartWatchdog() {
+  if (watchdog_started.exchange(true)) return;
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  world_rank.store(rank);
+  world_size.store(size);
+  std::thread(Watchdog).detach();
+}
+
+}  // namespace mpicoll

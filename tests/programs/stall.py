@@ -1,0 +1,48 @@
+"""Stall reports, run as `mpiexec -n R python stall.py CASE` with MPICOLL_STALL_REPORT
+(and MPICOLL_TIMEOUT) small:
+
+  late       the last rank is busy in Python (sleeps) before its allreduce: the report
+             names it as not in a collective; the job then completes
+  elsewhere  rank 1 waits in an allgather on another communicator while the others
+             are in an allreduce: the report names its collective and call site; the
+             timeout ends the job with the report as the reason
+  stopped    rank 1 stops itself (SIGSTOP): the report says it does not answer; the
+             timeout ends the job
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from mpi4py import MPI
+
+import mpicoll
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+CASE = sys.argv[1]
+SLEEP = float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
+
+summed = jax.jit(lambda x: mpicoll.allreduce(x))
+summed(jnp.ones(4)).block_until_ready()  # COMM_WORLD's first use opens the side channel
+
+if CASE == "late":
+    if RANK == SIZE - 1:
+        time.sleep(SLEEP)
+    out = summed(jnp.ones(4))
+    print(f"rank {RANK}: allreduce {out.tolist()}", flush=True)
+elif CASE == "elsewhere":
+    other = MPI.COMM_WORLD.Dup()
+    gathered = jax.jit(lambda x: mpicoll.allgather(x, comm=other))
+    gathered(jnp.ones(2)).block_until_ready()
+    if RANK == 1:
+        gathered(jnp.ones(2)).block_until_ready()
+    else:
+        summed(jnp.ones(4)).block_until_ready()
+elif CASE == "stopped":
+    if RANK == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    summed(jnp.ones(4)).block_until_ready()
+print(f"rank {RANK}: done", flush=True)

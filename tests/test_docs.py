@@ -1,0 +1,161 @@
+"""The documentation site (docs/): it builds clean, its programs run, a browser renders it.
+
+* Every ```python block on the site is a complete program (no fragments) and runs
+  under `mpiexec -n 2` (conftest.run_mpiexec), exiting 0: no snippet can drift
+  from the library.  These need only the Markdown files.
+* The site builds with the command `make docs` runs (sphinx-build -W --keep-going:
+  warnings are errors), when Sphinx is importable (`make docs` installs the pinned
+  tools of docs/requirements.txt into the venv); otherwise skipped, saying so.
+* Headless Chromium (Debian's `chromium` package) opens the built index, the API
+  entry of `allreduce` and the search page for "allreduce", and the tests check
+  what each renders (the search results are made by the page's JavaScript).
+  Skipped where no Chromium is installed.  About 7 s for the three pages here.
+
+All of it launches processes of its own, so only the serial run takes part.
+"""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_mpiexec, serial_only
+
+pytestmark = serial_only
+
+DOCS = REPO / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+RANKS = 2
+PROGRAM_TIMEOUT = 300  # s; two ranks compiling on a 2-core CI machine
+BUILD_TIMEOUT = 600
+BROWSER_TIMEOUT = 90
+HAVE_SPHINX = all(importlib.util.find_spec(name) is not None
+                  for name in ("sphinx", "myst_parser", "sphinx_book_theme"))
+CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(name)), None)
+
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def _programs():
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in _BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(pytest.param(match.group(1), id=f"{page.name}:{line}"))
+    return found
+
+
+PROGRAMS = _programs()
+
+
+def test_the_site_has_programs():
+    assert len(PROGRAMS) >= 10, [p.id for p in PROGRAMS]
+
+
+@pytest.mark.parametrize("source", PROGRAMS)
+def test_program_is_complete(source):
+    """A reader can save any block and run it: it imports what it uses."""
+    first = source.lstrip().splitlines()[0]
+    assert first.startswith(("import ", "from ")), f"a fragment, not a program: {first!r}"
+    compile(source, "<docs>", "exec")
+
+
+@pytest.mark.parametrize("source", PROGRAMS)
+def test_program_runs_at_two_ranks(source, tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(source)
+    job = run_mpiexec(RANKS, [sys.executable, script], timeout=PROGRAM_TIMEOUT)
+    assert job.returncode == 0, f"exit {job.returncode}\n{job.output[-4000:]}"
+
+
+# --- The build -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built as `make docs` builds it, into a temporary directory."""
+    if not HAVE_SPHINX:
+        pytest.skip("Sphinx, myst-parser or sphinx-book-theme is not installed in this "
+                    "venv: `make docs` installs them (docs/requirements.txt)")
+    out = tmp_path_factory.mktemp("docs")
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html",
+               "-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+    build = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                           timeout=BUILD_TIMEOUT)
+    assert build.returncode == 0, (f"sphinx-build exit {build.returncode}:\n"
+                                   f"{build.stdout[-3000:]}\n{build.stderr[-6000:]}")
+    return out / "html"
+
+
+def test_site_builds_without_warnings(site):
+    for page in PAGES:
+        assert (site / page.with_suffix(".html").name).is_file(), page.name
+    assert (site / "search.html").is_file() and (site / "searchindex.js").is_file()
+    for image in ("bench-allreduce.png", "allreduce-model.svg"):
+        assert (site / "_images" / image).is_file(), image
+
+
+def test_api_page_documents_every_public_name(site):
+    import mpicoll
+    import mpicoll.distributed  # noqa: F401
+    import mpicoll.mpi4jax
+
+    api = (site / "api.html").read_text()
+    for name in mpicoll.__all__:
+        assert f'id="mpicoll.{name}"' in api, name
+    assert 'id="mpicoll.distributed.initialize"' in api
+    for name in mpicoll.mpi4jax.__all__:
+        assert f'id="mpicoll.mpi4jax.{name}"' in api, name
+
+
+def test_gpu_tables_come_from_the_result_files(site):
+    gpus = (site / "gpus.html").read_text()
+    assert gpus.count("generated from gpu_bench-2.json") >= 2
+    assert "generated from gpu_bench-1.json" in gpus
+
+
+# --- In a browser ------------------------------------------------------------------
+
+def _dom(url, profile):
+    """The DOM after the page's scripts ran (--virtual-time-budget lets them finish)."""
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+               f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--dump-dom", url]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=BROWSER_TIMEOUT)
+    assert result.returncode == 0, f"{url}: chromium exit {result.returncode}\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def browser(site, tmp_path_factory):
+    if CHROMIUM is None:
+        pytest.skip("no headless Chromium here (Debian: apt-get install chromium)")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    return lambda page: _dom(f"file://{site / page}", profile)
+
+
+def test_index_renders(browser):
+    dom = browser("index.html")
+    assert "<title>" in dom and "mpicoll" in dom
+    assert "Two commands" in dom and "make demo" in dom
+    assert 'href="api.html"' in dom and 'href="install.html"' in dom  # the navigation
+    assert 'bd-sidebar' in dom  # the theme's layout, not a bare page
+
+
+def test_allreduce_api_entry_renders(browser):
+    dom = browser("api.html#mpicoll.allreduce")
+    entry = dom[dom.index('id="mpicoll.allreduce"'):dom.index('id="mpicoll.bcast"')]
+    assert "MPI_Allreduce" in entry
+    assert "Parameters" in entry and "Returns" in entry and "Raises" in entry
+    assert "Example (2 ranks)" in entry
+
+
+def test_search_finds_allreduce(browser):
+    dom = browser("search.html?q=allreduce")
+    found = re.search(r"Search finished, found (\d+) page", dom)
+    assert found and int(found.group(1)) >= 1, dom[-3000:]
+    assert 'href="api.html' in dom[dom.index("search-results"):] if "search-results" in dom else False
