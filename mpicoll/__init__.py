@@ -39,6 +39,11 @@ from . import _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANK
 # _typing.py and _device_order.py).
 _failures.configure(_current_settings())
 
+# Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
+# default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
+from . import _compat as _compat_for_tracebacks  # noqa: E402
+_compat_for_tracebacks.hide_frames_under(__path__[0])
+
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
            "clear_error", "default_comm", "dispatch_mode", "exscan", "gather", "gatherv", "mesh",

@@ -10,7 +10,7 @@ point-to-point in p2p.py.
 
 import jax
 
-from . import _blocks, _ranks_devices, _types, _typing, comm as comm_layer
+from . import _blocks, _compat, _ranks_devices, _types, _typing, comm as comm_layer
 from ._dispatch import collective
 from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 from ._validate import as_array, each_leaf
@@ -47,9 +47,11 @@ _OPS = """
 
 
 def _contract(function):
+    """The docstring completed with what every collective has in common; an error
+    raised inside shows the caller's frames, not mpicoll's (as JAX's own API does)."""
     doc = function.__doc__.replace("{ops}", _OPS).replace("{{", "{").replace("}}", "}")
     function.__doc__ = doc.rstrip() + "\n" + _COMMON
-    return function
+    return _compat.api_boundary(function)
 
 
 @_contract
@@ -239,12 +241,14 @@ def exscan(x, op="sum", *, comm=None, axis_name=None):
     return collective(_blocks.EXSCAN, x, comm=comm, op=op)
 
 
+@_compat.api_boundary
 def barrier(*, comm=None):
     """Block until every rank of comm reaches this point (MPI_Barrier), in program order."""
     info = comm_layer.resolve(comm, "barrier")
     _barrier_p.bind(comm=info.slot)
 
 
+@_compat.api_boundary
 def pvary(x, *, comm=None):
     """x (an array or a pytree) unchanged; under autodiff its cotangent is summed over ranks.
 

@@ -87,14 +87,30 @@ def set_stall_report(seconds):
 
 
 def abort_on_error(exc_type, exc, tb, *, thread=None):
-    """Print the rank and traceback of an uncaught exception, then abort every rank."""
+    """Print the rank and traceback of an uncaught exception, then abort every rank.
+
+    The other ranks' watchdogs say in one line which rank ends the job; where
+    several ranks raise at once (the same error everywhere, typically), the
+    lowest prints the traceback and the others one line each.
+    """
     world = MPI.COMM_WORLD
+    rank = world.Get_rank()
     where = f" in thread {thread.name}" if thread is not None else ""
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"mpicoll: uncaught exception on rank {world.Get_rank()} of "
-                     f"{world.Get_size()}{where}; aborting the job\n{text}")
+    lowest = extension.announce_abort(_ABORT_SETTLE_MS)
+    if lowest < rank:
+        first_line = (str(exc).splitlines() or [""])[0]
+        sys.stderr.write(f"mpicoll: uncaught {exc_type.__name__} on rank {rank} too{where}: "
+                         f"{first_line} (rank {lowest} prints its traceback; aborting the job)\n")
+    else:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "
+                         f"{world.Get_size()}{where}; aborting the job\n{text}")
     sys.stderr.flush()
     extension.abort_job(1)  # MPI_Abort, once the launcher has had time to forward the report
+
+
+# How long a rank about to abort waits for ranks that raised at the same moment.
+_ABORT_SETTLE_MS = 100
 
 
 _abort_installed = False

@@ -194,11 +194,13 @@ def _template(template, caller):
 # ---------------------------------------------------------------------------
 # Public API (mpi4py's names and argument order).
 
+@_compat.api_boundary
 def send(x, dest, tag=0, *, comm=None):
     """Send x to rank dest (MPI_Send), in program order. Returns None."""
     bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
 
 
+@_compat.api_boundary
 def recv(template, source, tag=0, *, comm=None, return_status=False):
     """Receive an array shaped like template from source (MPI_Recv).
 
@@ -214,6 +216,7 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
     return _with_status(out, return_status)
 
 
+@_compat.api_boundary
 def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_like=None,
              return_status=False):
     """Send x to dest and receive from source in one call (MPI_Sendrecv).

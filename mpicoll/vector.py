@@ -18,7 +18,7 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import _types
+from . import _compat, _types
 from ._dispatch import bind
 from ._primitive import define
 from ._spec import Collective, rank as _rank, run as _run
@@ -152,6 +152,7 @@ ALLTOALLV = _spec("alltoallv", lambda p: sum(p["ffi_args"][1 + p["size"]:]), _sw
                   _check_alltoallv)
 
 
+@_compat.api_boundary
 def gatherv(x, counts, root=0, *, comm=None):
     """Every rank's rows, in rank order, on root; zeros elsewhere (MPI_Gatherv).
 
@@ -161,6 +162,7 @@ def gatherv(x, counts, root=0, *, comm=None):
     return bind(GATHERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
+@_compat.api_boundary
 def allgatherv(x, counts, *, comm=None):
     """Every rank's rows, in rank order, on every rank (MPI_Allgatherv).
 
@@ -170,6 +172,7 @@ def allgatherv(x, counts, *, comm=None):
     return bind(ALLGATHERV, x, comm=comm, static=(("counts", _static(counts)),))
 
 
+@_compat.api_boundary
 def scatterv(x, counts, root=0, *, comm=None):
     """Rank r gets rows [sum(counts[:r]), sum(counts[:r+1])) of root's x (MPI_Scatterv).
 
@@ -179,6 +182,7 @@ def scatterv(x, counts, root=0, *, comm=None):
     return bind(SCATTERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
+@_compat.api_boundary
 def alltoallv(x, send_counts, recv_counts, *, comm=None):
     """Rank r sends send_counts[j] rows of x to rank j, in order, and receives
     recv_counts[j] rows from rank j (MPI_Alltoallv).

@@ -150,6 +150,7 @@ def test_ppermute_over_the_axes_out_of_the_mesh_order_is_refused():
 
 
 @serial_only
+@pytest.mark.slow  # 30 s: CI's first variant, and the jax 0.12 run
 @pytest.mark.parametrize("ranks,devices", [(2, 2)])  # 1-4 x 1: in-process, above
 def test_every_layout_transform_and_type_matches_one_process_over_every_device(ranks, devices):
     result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices], cwd=PROGRAM.parent)

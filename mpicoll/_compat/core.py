@@ -115,3 +115,16 @@ def user_source_line(ctx, skip_prefix):
         if not frame.file_name.startswith(skip_prefix):
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return None
+
+
+def hide_frames_under(path):
+    """Leave frames of files under `path` out of the tracebacks JAX filters (as JAX's own)."""
+    from jax._src import traceback_util
+    traceback_util.register_exclusion(path)
+
+
+def api_boundary(function):
+    """An exception raised below `function` gets a traceback without the hidden frames
+    (JAX's and those of hide_frames_under), as at JAX's own API functions."""
+    from jax._src import traceback_util
+    return traceback_util.api_boundary(function)

@@ -433,6 +433,16 @@ PyObject* DescribeSite(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* PyAnnounceAbort(PyObject*, PyObject* arg) {
+  const long settle_ms = PyLong_AsLong(arg);
+  if (settle_ms == -1 && PyErr_Occurred()) return nullptr;
+  int lowest;
+  Py_BEGIN_ALLOW_THREADS
+  lowest = AnnounceAbort(static_cast<int>(settle_ms));
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(lowest);
+}
+
 PyObject* PyStopWatchdog(PyObject*, PyObject*) {
   Py_BEGIN_ALLOW_THREADS
   StopWatchdog();
@@ -501,6 +511,8 @@ PyMethodDef methods[] = {
      "The communicator (handle) the watchdogs ask each other's state on."},
     {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
     {"own_state", OwnStateText, METH_NOARGS, "What a stall report would say of this rank now."},
+    {"announce_abort", PyAnnounceAbort, METH_O,
+     "Tell every rank this one ends the job; after settling (ms), the lowest rank that does."},
     {"stop_watchdog", PyStopWatchdog, METH_NOARGS,
      "At exit, before MPI is finalized: the watchdog makes no more MPI calls."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},

@@ -8,6 +8,8 @@
              timeout ends the job with the report as the reason
   stopped    rank 1 stops itself (SIGSTOP): the report says it does not answer; the
              timeout ends the job
+  raise-one  rank 1 raises (uncaught) while the others wait in an allreduce
+  raise-all  every rank raises the same error
 """
 
 import os
@@ -45,4 +47,10 @@ elif CASE == "stopped":
     if RANK == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     summed(jnp.ones(4)).block_until_ready()
+elif CASE == "raise-one":
+    if RANK == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    summed(jnp.ones(4)).block_until_ready()
+elif CASE == "raise-all":
+    mpicoll.allreduce(jnp.ones(3), op="nope")
 print(f"rank {RANK}: done", flush=True)

@@ -44,6 +44,7 @@ inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line 
 
 constexpr int kStateRequestTag = 7301;
 constexpr int kStateReplyTag = 7302;
+constexpr int kAbortNoticeTag = 7303;  // "rank r is ending the job" (an uncaught exception)
 constexpr double kAnswerWithin = 3.0;  // s a report waits for the other ranks' answers
 
 inline std::string SiteText(int64_t site) {
@@ -146,6 +147,62 @@ inline void ServeStateRequests() {
     RankState mine = OwnState();
     MPI_Send(&mine, sizeof(mine), MPI_BYTE, status.MPI_SOURCE, kStateReplyTag, comm);
   }
+}
+
+// Uncaught exceptions: the rank whose error ends the job prints it; every
+// other rank's watchdog says in one line which rank that was, and a rank that
+// raised at the same moment (the same error on every rank, typically) prints
+// one line instead of a second copy of the traceback.
+inline std::atomic<int> lowest_aborting{1 << 30};  // the lowest rank that announced an abort
+inline std::atomic<bool> this_rank_aborting{false};
+
+inline void TakeAbortNotices() {
+  MPI_Comm comm = side_channel.load();
+  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return;
+  for (;;) {
+    int pending = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kAbortNoticeTag, comm, &pending, &status) != MPI_SUCCESS ||
+        !pending) {
+      return;
+    }
+    int who = -1;
+    MPI_Recv(&who, 1, MPI_INT, status.MPI_SOURCE, kAbortNoticeTag, comm, MPI_STATUS_IGNORE);
+    int seen = lowest_aborting.load();
+    bool first = seen == (1 << 30);
+    while (who < seen && !lowest_aborting.compare_exchange_weak(seen, who)) {
+    }
+    if (first && !this_rank_aborting.load()) {
+      std::fprintf(stderr, "mpicoll: rank %d: the job is being aborted by rank %d (its error is "
+                   "printed there)\n", WorldRank(), who);
+      std::fflush(stderr);
+    }
+  }
+}
+
+// Called by a rank about to abort the job for an uncaught exception: tells the
+// others, waits `settle_ms` for the notices of ranks that raised at the same
+// time, and returns the lowest rank that is ending the job (this one or lower).
+inline int AnnounceAbort(int settle_ms) {
+  const int me = WorldRank();
+  this_rank_aborting.store(true);
+  int seen = lowest_aborting.load();
+  while (me < seen && !lowest_aborting.compare_exchange_weak(seen, me)) {
+  }
+  MPI_Comm comm = side_channel.load();
+  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return me;
+  static int announced;
+  announced = me;
+  for (int r = 0; r < world_size.load(); ++r) {
+    if (r == me) continue;
+    MPI_Request request;
+    if (MPI_Isend(&announced, 1, MPI_INT, r, kAbortNoticeTag, comm, &request) == MPI_SUCCESS) {
+      MPI_Request_free(&request);
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
+  TakeAbortNotices();
+  return std::min(me, lowest_aborting.load());
 }
 
 // Every rank's state, this one's included; a rank that does not answer within
@@ -287,6 +344,7 @@ inline void Watchdog() {
       return;
     }
     ServeStateRequests();
+    TakeAbortNotices();
     const int64_t now = NowNs();
     int64_t earliest = 0;
     for (int d = 0; d <= kSetupSlot; ++d) {

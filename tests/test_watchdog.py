@@ -1,9 +1,11 @@
-"""Stall reports and the default timeout (csrc/core/watchdog.h), in jobs of 2-3 ranks.
+"""What the job says when it is stuck or failing (csrc/core/watchdog.h), in jobs of 2-3 ranks.
 
-Each case runs tests/programs/stall.py with MPICOLL_STALL_REPORT=1: one report
+Stall reports: tests/programs/stall.py with MPICOLL_STALL_REPORT=1: one report
 per stall for the whole job (the lowest stalled rank's), naming the ranks that
 have arrived and what each other rank is doing, asked over the watchdogs' own
-communicator while the stalled ranks' threads are stuck in MPI.
+communicator while the stalled ranks' threads are stuck in MPI; the timeout
+ends the job with it.  Uncaught exceptions: one traceback per job, from the
+rank whose error ends it, mpicoll's own frames left out.
 """
 
 import re
@@ -73,3 +75,28 @@ def test_a_stopped_rank_does_not_answer_and_the_timeout_ends_the_job():
     assert any(re.match(r"rank 1: no answer within 3 s", line)
                for _, lines in reports for line in lines), result.summary()
     assert "MPICOLL_TIMEOUT=6); aborting the job" in result.output
+
+
+def test_an_error_on_one_rank_is_printed_there_and_named_by_the_others():
+    result = run_mpiexec(3, [sys.executable, PROGRAM, "raise-one"], timeout=180)
+    assert result.returncode != 0, result.summary()
+    assert result.output.count("Traceback (most recent call last)") == 1, result.summary()
+    assert "uncaught exception on rank 1 of 3; aborting the job" in result.output
+    assert "RuntimeError: deliberate failure on rank 1" in result.output
+    # The ranks waiting in the allreduce say who ends the job (when the abort
+    # leaves them the time: it kills them 0.3 s later).
+    named = re.findall(r"mpicoll: rank (\d): the job is being aborted by rank 1", result.output)
+    assert set(named) <= {"0", "2"} and named, result.summary()
+
+
+def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames():
+    result = run_mpiexec(3, [sys.executable, PROGRAM, "raise-all"], timeout=180)
+    assert result.returncode != 0, result.summary()
+    assert result.output.count("Traceback (most recent call last)") == 1, result.summary()
+    assert "uncaught exception on rank 0 of 3; aborting the job" in result.output
+    for rank in (1, 2):
+        assert (f"mpicoll: uncaught ValueError on rank {rank} too: mpicoll.allreduce: unknown "
+                "op='nope'") in result.output, result.summary()
+    traceback = result.output.split("Traceback (most recent call last)")[1]
+    traceback = traceback.split("ValueError")[0]
+    assert "stall.py" in traceback and "/mpicoll/" not in traceback, traceback
