@@ -196,18 +196,58 @@ def _template(template, caller):
 
 @_compat.api_boundary
 def send(x, dest, tag=0, *, comm=None):
-    """Send x to rank dest (MPI_Send), in program order. Returns None."""
+    """Send x to rank dest of comm (MPI_Send), in program order.
+
+    Args:
+        x: one array (not a pytree) of a supported dtype (those of the
+            collectives), or a Python scalar.
+        dest: the receiving rank (a static int), or PROC_NULL (nothing is sent).
+        tag: the message tag, a static int >= 0.
+        comm: an mpi4py intracommunicator; None means MPI.COMM_WORLD.
+    Returns:
+        None.  Not differentiable (NotImplementedError under jax.grad or jvp);
+        sendrecv is.
+    Raises:
+        TypeError, ValueError: on this rank, before any MPI call, for an
+        unsupported dtype, a dest or tag out of range, or a communicator that
+        is not one (point-to-point checks are not compared across ranks).
+
+    Example (2 ranks)::
+
+        if rank == 0:
+            mpicoll.send(jnp.arange(3.0), dest=1)
+        else:
+            x = mpicoll.recv(jnp.zeros(3), source=0)   # [0., 1., 2.]
+    """
     bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
 
 
 @_compat.api_boundary
 def recv(template, source, tag=0, *, comm=None, return_status=False):
-    """Receive an array shaped like template from source (MPI_Recv).
+    """Receive an array shaped like template from rank source of comm (MPI_Recv).
 
-    source may be ANY_SOURCE, tag ANY_TAG; template is an array or a
-    jax.ShapeDtypeStruct.  return_status=True returns (x, source, tag), the
-    last two int32 scalars saying which message was received.  A receive from
-    PROC_NULL returns zeros.
+    Args:
+        template: an array or a jax.ShapeDtypeStruct: the shape and dtype of
+            the message (only they are read).
+        source: the sending rank (a static int), ANY_SOURCE, or PROC_NULL.
+        tag: the message tag (a static int), or ANY_TAG.
+        comm: an mpi4py intracommunicator; None means MPI.COMM_WORLD.
+        return_status: also return which message was received.
+    Returns:
+        The received array (template's shape and dtype); with return_status,
+        (x, source, tag), the last two int32 scalars.  A receive from
+        PROC_NULL returns zeros.  A shorter message than the template raises
+        (jax.errors.JaxRuntimeError naming both sizes); a longer one is
+        MPI's truncation error.  Not differentiable.
+    Raises:
+        TypeError, ValueError: on this rank, before any MPI call, for a
+        template without shape and dtype, an unsupported dtype, a source or
+        tag out of range, or a communicator that is not one.
+
+    Example (2 ranks)::
+
+        x, source, tag = mpicoll.recv(jnp.zeros(3), mpicoll.ANY_SOURCE,
+                                      return_status=True)
     """
     shape, dtype = _template(template, "recv")
     out = bind(RECV, jnp.zeros((0,), dtype), comm=comm,
@@ -221,9 +261,27 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
              return_status=False):
     """Send x to dest and receive from source in one call (MPI_Sendrecv).
 
-    The received array has x's shape, or recv_like's (an array or
-    jax.ShapeDtypeStruct of x's dtype).  return_status=True returns
-    (x, source, tag) as for recv.
+    Args:
+        x: one array (not a pytree) of a supported dtype, or a Python scalar.
+        source: the rank received from (a static int), ANY_SOURCE or
+            PROC_NULL; dest: the rank sent to (a static int) or PROC_NULL.
+        sendtag: the tag sent; recvtag: the tag received (or ANY_TAG).
+        comm: an mpi4py intracommunicator; None means MPI.COMM_WORLD.
+        recv_like: an array or jax.ShapeDtypeStruct of x's dtype giving the
+            received shape (default: x's).
+        return_status: also return (source, tag) of the received message.
+    Returns:
+        The received array; with return_status, (x, source, tag) as for recv.
+        From PROC_NULL: zeros.  Linear: under jax.grad its transpose sends
+        the cotangent back the other way; it works under jit and vmap.
+    Raises:
+        TypeError, ValueError: on this rank, before any MPI call, for an
+        unsupported dtype, recv_like of another dtype, a rank or tag out of
+        range, or a communicator that is not one.
+
+    Example (a ring on every rank)::
+
+        right = mpicoll.sendrecv(x, source=(rank - 1) % size, dest=(rank + 1) % size)
     """
     x = _validate.as_array(x, "sendrecv")
     shape = tuple(x.shape)
