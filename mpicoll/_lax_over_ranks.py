@@ -411,13 +411,6 @@ def _route(name, args, params):
     axes = _axes(name, params)
     if name == "axis_index" and axes == (RANKS,) and RANKS in _compat.manual_mesh_axes():
         return _typing.typed_input(jnp.int32(_typing.world().rank))
-    if not (RANKS in axes or _global_mesh() is not None):
-        return NotImplemented
-    if params.get("axis_index_groups") is not None and (
-            RANKS in axes or _global_mesh() is not None):
-        raise NotImplementedError(
-            f"jax.lax.{name} over {axes!r} with axis_index_groups: for groups of ranks, "
-            "call mpicoll's collective with comm=MPI.COMM_WORLD.Split(color)")
     if any(isinstance(axis, int) for axis in axes):
         if RANKS in axes:
             raise NotImplementedError(f"jax.lax.{name}: positional axes cannot be combined "
@@ -426,6 +419,10 @@ def _route(name, args, params):
     who = _participants(name, axes)
     if who is None:
         return NotImplemented
+    if params.get("axis_index_groups") is not None:
+        raise NotImplementedError(
+            f"jax.lax.{name} over {axes!r} with axis_index_groups: for groups of ranks, "
+            "call mpicoll's collective with comm=MPI.COMM_WORLD.Split(color)")
     if name not in _MAPPED:
         raise NotImplementedError(_UNMAPPED.format(name=name, axes=axes))
     who.axes = axes
@@ -446,9 +443,5 @@ def _route(name, args, params):
     return _pbroadcast(x, who, source=params["source"])
 
 
-def _ranks_count():
-    return _typing.world().size
-
-
-_compat.size_axis(RANKS, _ranks_count)
+_compat.size_axis(RANKS, lambda: _typing.world().size)
 _compat.route_lax_collectives(_route)

@@ -400,20 +400,19 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
 
-PyObject* SetTimeout(PyObject*, PyObject* arg) {
+// A watchdog threshold in seconds (0 or less: off); the watchdog starts with the first.
+PyObject* SetWatchdogSeconds(PyObject* arg, std::atomic<double>& threshold) {
   double seconds = PyFloat_AsDouble(arg);
   if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
-  timeout_seconds.store(seconds > 0 ? seconds : 0.0);
+  threshold.store(seconds > 0 ? seconds : 0.0);
   if (seconds > 0) StartWatchdog();
   Py_RETURN_NONE;
 }
 
+PyObject* SetTimeout(PyObject*, PyObject* arg) { return SetWatchdogSeconds(arg, timeout_seconds); }
+
 PyObject* SetStallReport(PyObject*, PyObject* arg) {
-  double seconds = PyFloat_AsDouble(arg);
-  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
-  stall_report_seconds.store(seconds > 0 ? seconds : 0.0);
-  if (seconds > 0) StartWatchdog();
-  Py_RETURN_NONE;
+  return SetWatchdogSeconds(arg, stall_report_seconds);
 }
 
 // The watchdogs' private duplicate of COMM_WORLD (made once, collectively, in Python).
@@ -448,13 +447,6 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
   StopWatchdog();
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
-}
-
-// What stall reports show of this rank now (tests, `python -m mpicoll info`).
-PyObject* OwnStateText(PyObject*, PyObject*) {
-  RankState s = OwnState();
-  std::string text = s.in_collective ? Describe(s) : std::string("not in a collective");
-  return PyUnicode_FromString(text.c_str());
 }
 
 // True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
@@ -510,7 +502,6 @@ PyMethodDef methods[] = {
     {"set_side_channel", SetSideChannel, METH_O,
      "The communicator (handle) the watchdogs ask each other's state on."},
     {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
-    {"own_state", OwnStateText, METH_NOARGS, "What a stall report would say of this rank now."},
     {"announce_abort", PyAnnounceAbort, METH_O,
      "Tell every rank this one ends the job; after settling (ms), the lowest rank that does."},
     {"stop_watchdog", PyStopWatchdog, METH_NOARGS,

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from lax_cases import CASES, blocks  # noqa: E402
+from lax_cases import CASES, attempt, blocks, check, failures  # noqa: E402
 
 if not MAKING_REFERENCE:
     from mpi4py import MPI  # noqa: E402
@@ -53,21 +53,6 @@ LAYOUTS = [((N,), ("x",), ("x",)),
 XLA_COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|collective-permute|"
                             r"reduce-scatter|collective-broadcast")
 NO_VJP = ("pmax", "pmin", "all_to_all untiled")  # JAX has none of its own to compare with
-failures = []
-
-
-def check(name, got, expected):
-    try:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
-    except AssertionError as error:
-        failures.append(f"{name}: {str(error)[:600]}")
-
-
-def attempt(name, fn):
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 -- reported, then the job fails
-        failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
 
 
 def data(shape, seed):

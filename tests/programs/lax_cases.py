@@ -1,8 +1,25 @@
-"""jax.lax bodies shared by lax_over_ranks.py and global_mesh.py: each written once, its
-axes a parameter, run by mpicoll across ranks and by JAX in one process."""
+"""jax.lax bodies shared by lax_over_ranks.py and global_mesh.py (each written once, its
+axes a parameter, run by mpicoll across ranks and by JAX in one process), and their checks."""
 
-from jax import lax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+failures = []  # this rank's failed checks, reported by report.report_and_exit
+
+
+def check(name, got, expected):
+    try:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
+    except AssertionError as error:
+        failures.append(f"{name}: {str(error)[:600]}")
+
+
+def attempt(name, fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 -- reported, then the job fails
+        failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
 
 
 def blocks(shape, participants):

@@ -28,7 +28,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
-from lax_cases import CASES, blocks  # noqa: E402
+from lax_cases import CASES, attempt, blocks, check, failures  # noqa: E402
 from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -37,27 +37,13 @@ MESH = mpicoll.mesh("dev", devices=jax.devices()[:LOCAL])
 REFERENCE_MESH = Mesh(np.array(jax.devices()).reshape(SIZE, LOCAL), ("r", "dev"))
 MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL)
 LAYOUTS = [(R,), (R, "dev"), ("dev", R)]
-failures = []
 
 def data(shape, seed):
     return np.random.default_rng(seed).normal(size=(N, *shape))
 
 
-def check(name, got, expected):
-    try:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
-    except AssertionError as error:
-        failures.append(f"{name}: {str(error)[:600]}")
-
-
-def attempt(name, fn):
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 -- reported, then the job fails
-        failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
-
-
 def as_reference(axes):
+    """The same axes named as the one-process mesh names them."""
     return tuple("r" if a == R else a for a in axes)
 
 
@@ -78,7 +64,7 @@ def run_case(name, body, shape, axes, vmapped):
         inner = body
         body = lambda x, a, n: jax.vmap(lambda row: inner(row, a, n))(x)  # noqa: E731
     count = N if "dev" in axes else SIZE
-    reference_axes = tuple("r" if a == R else a for a in axes)
+    reference_axes = as_reference(axes)
     ours = jax.jit(jax.shard_map(lambda x: body(x, axes, count), mesh=MESH,
                                  in_specs=P((R, "dev")), out_specs=P((R, "dev"))))
     theirs = jax.jit(jax.shard_map(lambda x: body(x, reference_axes, count),

@@ -130,23 +130,31 @@ inline bool SideChannelUp() {
   return side_channel.load() != MPI_COMM_NULL && !serialize_mpi_calls.load();
 }
 
-// Answers every pending state request (the watchdog's loop, and while a report
-// waits for its own answers, so that two reporting ranks never wait on each other).
-inline void ServeStateRequests() {
+// Receives every pending message with `tag` on the side channel (one int each)
+// and hands it to handle(source, value); nothing where the channel is down.
+template <typename Handle>
+inline void ReceiveEach(int tag, Handle&& handle) {
+  if (!SideChannelUp()) return;
   MPI_Comm comm = side_channel.load();
-  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return;
   for (;;) {
     int pending = 0;
     MPI_Status status;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, kStateRequestTag, comm, &pending, &status) != MPI_SUCCESS ||
-        !pending) {
+    if (MPI_Iprobe(MPI_ANY_SOURCE, tag, comm, &pending, &status) != MPI_SUCCESS || !pending) {
       return;
     }
-    int ignored = 0;
-    MPI_Recv(&ignored, 1, MPI_INT, status.MPI_SOURCE, kStateRequestTag, comm, MPI_STATUS_IGNORE);
-    RankState mine = OwnState();
-    MPI_Send(&mine, sizeof(mine), MPI_BYTE, status.MPI_SOURCE, kStateReplyTag, comm);
+    int value = -1;
+    MPI_Recv(&value, 1, MPI_INT, status.MPI_SOURCE, tag, comm, MPI_STATUS_IGNORE);
+    handle(status.MPI_SOURCE, value);
   }
+}
+
+// Answers every pending state request (the watchdog's loop, and while a report
+// waits for its own answers, so that two reporting ranks never wait on each other).
+inline void ServeStateRequests() {
+  ReceiveEach(kStateRequestTag, [](int source, int) {
+    RankState mine = OwnState();
+    MPI_Send(&mine, sizeof(mine), MPI_BYTE, source, kStateReplyTag, side_channel.load());
+  });
 }
 
 // Uncaught exceptions: the rank whose error ends the job prints it; every
@@ -157,19 +165,9 @@ inline std::atomic<int> lowest_aborting{1 << 30};  // the lowest rank that annou
 inline std::atomic<bool> this_rank_aborting{false};
 
 inline void TakeAbortNotices() {
-  MPI_Comm comm = side_channel.load();
-  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return;
-  for (;;) {
-    int pending = 0;
-    MPI_Status status;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, kAbortNoticeTag, comm, &pending, &status) != MPI_SUCCESS ||
-        !pending) {
-      return;
-    }
-    int who = -1;
-    MPI_Recv(&who, 1, MPI_INT, status.MPI_SOURCE, kAbortNoticeTag, comm, MPI_STATUS_IGNORE);
+  ReceiveEach(kAbortNoticeTag, [](int, int who) {
     int seen = lowest_aborting.load();
-    bool first = seen == (1 << 30);
+    const bool first = seen == (1 << 30);
     while (who < seen && !lowest_aborting.compare_exchange_weak(seen, who)) {
     }
     if (first && !this_rank_aborting.load()) {
@@ -177,7 +175,7 @@ inline void TakeAbortNotices() {
                    "printed there)\n", WorldRank(), who);
       std::fflush(stderr);
     }
-  }
+  });
 }
 
 // Called by a rank about to abort the job for an uncaught exception: tells the
@@ -189,8 +187,8 @@ inline int AnnounceAbort(int settle_ms) {
   int seen = lowest_aborting.load();
   while (me < seen && !lowest_aborting.compare_exchange_weak(seen, me)) {
   }
+  if (!SideChannelUp()) return me;
   MPI_Comm comm = side_channel.load();
-  if (comm == MPI_COMM_NULL || serialize_mpi_calls.load()) return me;
   static int announced;
   announced = me;
   for (int r = 0; r < world_size.load(); ++r) {
