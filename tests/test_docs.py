@@ -1,8 +1,11 @@
 """The documentation site (docs/): it builds clean, its programs run, a browser renders it.
 
-* Every ```python block on the site is a complete program (no fragments) and runs
-  under `mpiexec -n 2` (conftest.run_mpiexec), exiting 0: no snippet can drift
-  from the library.  These need only the Markdown files.
+* Every ```python block on the site and in README.md is a complete program (no
+  fragments) and runs under `mpiexec -n 2` (conftest.run_mpiexec), exiting 0: no
+  snippet can drift from the library.  These need only the Markdown files.  (Where a
+  program's result matters, a test beside the feature also checks what it computes:
+  test_transforms.py for the README's data-parallel program, test_lax_over_ranks.py
+  for its jax.lax one, test_ranks_axis.py for docs/autodiff.md's typed one.)
 * The site builds with the command `make docs` runs (sphinx-build -W --keep-going:
   warnings are errors), when Sphinx is importable (`make docs` installs the pinned
   tools of docs/requirements.txt into the venv); otherwise skipped, saying so.
@@ -43,7 +46,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 def _programs():
     found = []
-    for page in PAGES:
+    for page in PAGES + [REPO / "README.md"]:
         text = page.read_text()
         for match in _BLOCK.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
@@ -56,6 +59,7 @@ PROGRAMS = _programs()
 
 def test_the_site_has_programs():
     assert len(PROGRAMS) >= 10, [p.id for p in PROGRAMS]
+    assert sum(p.id.startswith("README.md:") for p in PROGRAMS) >= 2, [p.id for p in PROGRAMS]
 
 
 @pytest.mark.parametrize("source", PROGRAMS)

@@ -9,6 +9,8 @@ rank-varying output is the rank's own, and the reference stacks them.
 """
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +352,29 @@ def _init_params():
             (jnp.asarray(rng.normal(size=(16, 1)) * 0.5), jnp.zeros(1))]
 
 
+def test_the_readme_data_parallel_program_trains_as_one_process():
+    """README.md's program (tests/test_docs.py runs it at 2 ranks; here its result is
+    checked): every rank ends with the parameters of one process training on every
+    rank's samples (equal shares, so the mean of the ranks' gradients is the full one)."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"<!-- data-parallel -->\n```python\n(.*?)^```", text, re.S | re.M).group(1)
+    names = {"__name__": "readme_program"}
+    exec(compile(code, "README.md (data-parallel)", "exec"), names)
+    loss, lr = names["loss"], names["learning_rate"]
+    x_all, y_all = jnp.asarray(names["x_all"]), jnp.asarray(names["y_all"])
+    assert len(x_all) % SIZE == 0, "the README's samples must split evenly at this rank count"
+    reference = jax.tree.map(jnp.zeros_like, names["params"])  # the program starts from zeros
+    for _ in range(names["steps"]):
+        reference = jax.tree.map(lambda p, g: p - lr * g, reference,
+                                 jax.grad(loss)(reference, x_all, y_all))
+    for got, want in zip(jax.tree.leaves(names["params"]), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    everyone = COMM.allgather([np.asarray(leaf) for leaf in jax.tree.leaves(names["params"])])
+    for other in everyone:
+        for got, want in zip(other, everyone[0]):
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("style", ["allreduce-grads", "grad-through-collectives"])
 def test_data_parallel_training_matches_single_process(style):
     rng = np.random.default_rng(11)
@@ -366,7 +391,7 @@ def test_data_parallel_training_matches_single_process(style):
             grads = jax.tree.map(lambda g: mpicoll.allreduce(g) / SIZE, grads)
             return jax.tree.map(lambda p, g: p - lr * g, params, grads)
     else:
-        def global_loss(params):  # the README's snippet, as written there
+        def global_loss(params):  # docs/autodiff.md's convention program, as written there
             local = _mlp_loss(mpicoll.pvary(params), x, y)
             return mpicoll.allreduce(local) / SIZE
 
