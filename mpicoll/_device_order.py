@@ -1,4 +1,4 @@
-"""How a jitted program's MPI calls are ordered after the previous program's (README, "Dispatch").
+"""How a jitted program's MPI calls are ordered after the previous program's (docs/design.md).
 
 "device-order": a program on one CPU device is lowered with its MPI ordering
 token created inside it, so that JAX dispatches it on its C++ fast path and

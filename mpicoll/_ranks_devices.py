@@ -48,7 +48,7 @@ _SUM = _types.SUM
 # SPLIT_ALLREDUCE_BYTES is the crossover measured at 2 devices on the simulated
 # cluster (split slower at 128 KiB, faster from 1 MiB); at 8 devices split was
 # 1.11-1.41x faster than small at 64 KiB there, and the cost model
-# (benchmarks/allreduce_model.py, README "Many hosts") puts the crossover at
+# (benchmarks/allreduce_model.py, docs/design.md, "A cost model") puts the crossover at
 # 4-19 KiB for 1,000 nodes x 8 devices.  256 KiB at 2 devices, 85 KiB at 4,
 # 37 KiB at 8.  (The value at 2 devices: _settings, MPICOLL_SPLIT_ALLREDUCE_BYTES.)
 

@@ -218,7 +218,7 @@ def set_autodiff(mode):
 
     "checked" (the default): transposing a collective outside shard_map over
     mpicoll.mesh() raises TypeError, where JAX would type the ranks.
-    "convention": mpicoll's unchecked convention (README, "vmap and autodiff").
+    "convention": mpicoll's unchecked convention (docs/autodiff.md).
     Forward mode (jvp, jacfwd) is exact either way.
     """
     global _autodiff
@@ -243,7 +243,7 @@ def check_reverse_mode(name, params):
         "mpicoll.mesh() (in_specs P() for a value identical on every rank, "
         "P(mpicoll.RANKS) for this rank's data), where JAX checks it; or accept mpicoll's "
         "unchecked convention with mpicoll.set_autodiff('convention') or "
-        "MPICOLL_AUTODIFF=convention (README: vmap and autodiff)")
+        "MPICOLL_AUTODIFF=convention (docs/autodiff.md)")
 
 
 # The lax collectives over RANKS are routed to mpicoll's when they bind

@@ -1,5 +1,5 @@
 """Ranks that call different collectives: by default every rank raises, nobody
-gets garbage, a bare MPI abort or a hang (README: "When things go wrong").
+gets garbage, a bare MPI abort or a hang (docs/troubleshooting.md).
 
 The default check ("first-run") compares each call site's call across ranks
 the first time it runs.  Each case here is a new program on every rank, in
@@ -27,7 +27,7 @@ def _odd_one_out(value_on_0, value_elsewhere):
 
 # A shape no other test uses: the programs below are then new on every rank,
 # and a call site is compared on its first run in this process.  (A rank that
-# re-runs a program while another runs a new one is not compared: README.)
+# re-runs a program while another runs a new one is not compared: docs/troubleshooting.md.)
 SHAPE = (7, 11)
 OTHER = (7, 12)
 

@@ -53,7 +53,7 @@ from mpicoll.mpi4jax import __all__, __version__  # noqa: F401
 EOF
 
 # The tests of mpi4jax's private modules (see above), and two deliberate
-# differences (README, "mpi4jax compatibility"): test_abort_on_error sends to
+# differences (docs/mpi4jax.md, "Differences"): test_abort_on_error sends to
 # rank 100 of a 1-rank communicator and expects MPI_Send's error text from
 # mpi4jax's C code, where mpicoll rejects the rank before any MPI call
 # (ValueError); test_sendrecv_jacfwd expects forward-mode AD of sendrecv to
