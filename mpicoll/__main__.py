@@ -25,7 +25,15 @@ USAGE = """usage: python -m mpicoll COMMAND
 
 commands:
   info    the MPI library, thread level, ranks per host, the settings in force, and each
-          rank's JAX backend and devices (run it under mpiexec / srun like any MPI program)"""
+          rank's JAX backend and devices (run it under mpiexec / srun like any MPI program)
+  flight DIR
+          read every rank's flight recorder dump in DIR (MPICOLL_FLIGHT_DIR, written on a
+          stall, a timeout, an abort or SIGUSR1) and say where the ranks diverge; exits 1
+          if they do
+  trace DIR
+          merge every rank's timeline in DIR (MPICOLL_TRACE=DIR) onto one clock: writes
+          DIR/merged.json (wait and transfer spans, for ui.perfetto.dev) and
+          DIR/timeline.svg, and prints each rank's wait and transfer, the straggler named"""
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
@@ -327,7 +335,45 @@ def info(argv):
     return 0 if ok else 1
 
 
-COMMANDS = {"info": info}
+def _one_directory(argv, command):
+    if len(argv) != 1:
+        print(f"python -m mpicoll {command}: give one directory\n{USAGE}", file=sys.stderr)
+        return None
+    return argv[0]
+
+
+def flight(argv):
+    """`flight DIR`: where the ranks' flight records diverge (exit 1 if they do)."""
+    from . import _records
+
+    directory = _one_directory(argv, "flight")
+    if directory is None:
+        return 2
+    try:
+        text, diverged = _records.flight_report(_records.load(directory))
+    except ValueError as error:
+        print(f"python -m mpicoll flight: {error}", file=sys.stderr)
+        return 2
+    print(text)
+    return 1 if diverged else 0
+
+
+def trace(argv):
+    """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
+    from . import _records
+
+    directory = _one_directory(argv, "trace")
+    if directory is None:
+        return 2
+    try:
+        print(_records.write_merged(directory))
+    except ValueError as error:
+        print(f"python -m mpicoll trace: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = {"info": info, "flight": flight, "trace": trace}
 
 
 def run(argv):

@@ -11,6 +11,9 @@ measurements and tests.  `sources()` says where each value came from.
   MPICOLL_CHECK                first-run | every-call (all, 1) | off (0)
   MPICOLL_TIMEOUT              600 seconds; 0 = never                failures.py
   MPICOLL_STALL_REPORT         60 seconds; 0 = off                   failures.py
+  MPICOLL_FLIGHT_RECORDS       1000 per local device; 0 = off        failures.py
+  MPICOLL_FLIGHT_DIR           mpicoll-flight (in the working directory at import)
+  MPICOLL_TRACE                a directory: record the timeline there; unset = off
   MPICOLL_AUTODIFF             checked | convention
   MPICOLL_DISPATCH             default | device-order | tokens
   MPICOLL_GPU_TRANSPORT        auto | staged | cuda-aware
@@ -29,6 +32,10 @@ DEFAULT_GPU_CHUNK_BYTES = 4 << 20
 # with the stall report, first written after a minute, as the reason.
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_STALL_REPORT = 60.0
+# Each local device's last 1,000 collectives (about 150 B each) are kept for
+# the flight dumps (csrc/core/flight.h).
+DEFAULT_FLIGHT_RECORDS = 1000
+DEFAULT_FLIGHT_DIR = "mpicoll-flight"
 # The measurements behind these two are in _ranks_devices.py.
 DEFAULT_LOCAL_COMBINE_BYTES = 1024 * 1024
 DEFAULT_SPLIT_ALLREDUCE_BYTES = 256 * 1024
@@ -46,6 +53,10 @@ class Settings:
     check: str = "first-run"
     timeout: float = DEFAULT_TIMEOUT
     stall_report: float = DEFAULT_STALL_REPORT
+    flight_records: int = DEFAULT_FLIGHT_RECORDS
+    flight_dir: str = dataclasses.field(
+        default_factory=lambda: os.path.abspath(DEFAULT_FLIGHT_DIR))
+    trace: str = ""  # "": no timeline; else the directory (absolute) it is written to
     autodiff: str = "checked"
     dispatch: str = "default"  # "default": device-order where JAX allows it, else tokens
     gpu_transport: str = "auto"
@@ -96,12 +107,46 @@ def _bytes(name, raw):
     return value
 
 
+def _count(name, raw):
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a non-negative integer") from None
+    return value
+
+
+def _writable_directory(create):
+    """A directory mpicoll writes files to, as an absolute path; checked at import so
+    that a bad one fails there (on every rank alike) rather than when a dump is due.
+    create: make it now (the timeline); else only its parent must be writable (the
+    flight recorder makes it when it first dumps)."""
+    def parse(name, raw):
+        path = os.path.abspath(os.path.expanduser(raw))
+        try:
+            if create:
+                os.makedirs(path, exist_ok=True)
+            target = path if create or os.path.isdir(path) else os.path.dirname(path)
+            if not os.path.isdir(target):
+                raise OSError(f"{target} is not a directory")
+            if not os.access(target, os.W_OK | os.X_OK):
+                raise OSError(f"{target} is not writable")
+        except OSError as error:
+            raise ValueError(f"{name}={raw!r}: mpicoll cannot write there ({error})") from None
+        return path
+    return parse
+
+
 # field -> (variable, parser of its stripped, non-empty value)
 _VARIABLES = {
     "abort_on_error": ("MPICOLL_ABORT_ON_ERROR", _flag),
     "check": ("MPICOLL_CHECK", _check),
     "timeout": ("MPICOLL_TIMEOUT", _seconds),
     "stall_report": ("MPICOLL_STALL_REPORT", _seconds),
+    "flight_records": ("MPICOLL_FLIGHT_RECORDS", _count),
+    "flight_dir": ("MPICOLL_FLIGHT_DIR", _writable_directory(create=False)),
+    "trace": ("MPICOLL_TRACE", _writable_directory(create=True)),
     "autodiff": ("MPICOLL_AUTODIFF", _choice(AUTODIFF_MODES)),
     "dispatch": ("MPICOLL_DISPATCH", _choice(DISPATCH_CHOICES)),
     "gpu_transport": ("MPICOLL_GPU_TRANSPORT", _choice(GPU_TRANSPORTS)),

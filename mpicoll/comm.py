@@ -21,7 +21,7 @@ import dataclasses
 import jax
 from mpi4py import MPI
 
-from . import _native
+from . import _native, _settings
 from ._native import extension
 
 _BUILD = extension.build_info()
@@ -144,7 +144,40 @@ def _open_side_channel(comm):
         _side_channel = MPI.COMM_WORLD.Dup()
         _side_channel.Set_name("mpicoll:watchdog")
         _side_channel.Set_errhandler(MPI.ERRORS_RETURN)
+        # Every rank's host, so that a report names the host of a rank that
+        # cannot answer (its host is gone).
+        extension.set_host_names(_side_channel.allgather(MPI.Get_processor_name()))
+        if _settings.current().trace:
+            extension.set_clock_offset(_clock_offset(_side_channel))
         extension.set_side_channel(_side_channel.handle)
+
+
+_OFFSET_ROUNDS = 16
+
+
+def _clock_offset(comm):
+    """Rank 0's clock minus this rank's, in ns, for the timeline (ranks on different
+    hosts have unrelated steady clocks).  Rank 0 pings each rank in turn; the
+    round trip with the shortest time bounds the error to half of it (Cristian's
+    method): a few microseconds on one host, tens over a network."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    offsets = [0] * size
+    for peer in range(1, size):
+        if rank == 0:
+            best = None
+            for _ in range(_OFFSET_ROUNDS):
+                sent = extension.now_ns()
+                comm.send(None, dest=peer, tag=7401)
+                theirs = comm.recv(source=peer, tag=7402)
+                back = extension.now_ns()
+                if best is None or back - sent < best[0]:
+                    best = (back - sent, (sent + back) // 2 - theirs)
+            offsets[peer] = best[1]
+        elif rank == peer:
+            for _ in range(_OFFSET_ROUNDS):
+                comm.recv(source=0, tag=7401)
+                comm.send(extension.now_ns(), dest=0, tag=7402)
+    return comm.scatter(offsets if rank == 0 else None, root=0)
 
 
 def for_mesh_axes(comm, axes, caller):

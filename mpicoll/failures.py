@@ -18,6 +18,10 @@
 * Timeout (MPICOLL_TIMEOUT=seconds, default 600, or set_timeout(seconds)): a
   collective not completed in time writes that report as the reason and
   aborts the job.
+* Flight recorder (MPICOLL_FLIGHT_RECORDS, default 1000 per local device) and
+  timeline (MPICOLL_TRACE=dir), csrc/core/flight.h: every rank's recent (or
+  every) collective, written on a stall, a timeout, an abort, SIGUSR1 or (the
+  timeline) at exit; read by `python -m mpicoll flight|trace DIR` (_records.py).
 """
 
 import atexit
@@ -86,6 +90,13 @@ def set_stall_report(seconds):
     extension.set_stall_report(seconds)
 
 
+def _write_trace_at_exit():
+    import jax
+
+    jax.effects_barrier()  # collectives still queued in XLA are in the timeline too
+    extension.write_trace("exit")
+
+
 def abort_on_error(exc_type, exc, tb, *, thread=None):
     """Print the rank and traceback of an uncaught exception, then abort every rank.
 
@@ -151,5 +162,10 @@ def configure(settings):
     set_check_mode(settings.check)
     set_timeout(settings.timeout)
     set_stall_report(settings.stall_report)
-    # Registered after mpi4py's MPI_Finalize handler, so it runs before it.
+    extension.set_flight(settings.flight_records, settings.flight_dir)
+    extension.set_trace(settings.trace)
+    # Registered after mpi4py's MPI_Finalize handler, so they run before it
+    # (the timeline first: atexit runs the last registered first).
     atexit.register(extension.stop_watchdog)
+    if settings.trace:
+        atexit.register(_write_trace_at_exit)

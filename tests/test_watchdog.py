@@ -8,7 +8,10 @@ ends the job with it.  Uncaught exceptions: one traceback per job, from the
 rank whose error ends it, mpicoll's own frames left out.
 """
 
+import json
 import re
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,9 +51,18 @@ def test_a_rank_busy_in_python_is_named_and_the_job_goes_on():
     assert result.output.count("allreduce [3.0, 3.0, 3.0, 3.0]") == 3
 
 
-def test_a_rank_in_another_collective_is_named_and_the_timeout_ends_the_job():
+def _flight(directory):
+    """`python -m mpicoll flight DIR`: (exit status, output)."""
+    done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_rank_in_another_collective_is_named_and_the_timeout_ends_the_job(tmp_path):
+    flight = tmp_path / "flight"
     result = run_mpiexec(2, [sys.executable, PROGRAM, "elsewhere"],
-                         env={"MPICOLL_STALL_REPORT": "1", "MPICOLL_TIMEOUT": "4"}, timeout=180)
+                         env={"MPICOLL_STALL_REPORT": "1", "MPICOLL_TIMEOUT": "4",
+                              "MPICOLL_FLIGHT_DIR": str(flight)}, timeout=180)
     assert result.returncode != 0 and "done" not in result.stdout, result.summary()
     reports = _reports(result.output)
     assert reports and all(head.startswith("mpicoll: stall report from rank 0")
@@ -64,6 +76,19 @@ def test_a_rank_in_another_collective_is_named_and_the_timeout_ends_the_job():
     assert re.search(r"mpicoll: rank 0 \(rank 0 of MPI_COMM_WORLD, local device 0\) has waited "
                      r"[\d.]+ s in allreduce \(MPICOLL_TIMEOUT=4\); aborting the job",
                      result.output), result.summary()
+    # The flight recorder: both ranks dumped (rank 1 when the report asked for
+    # its state), and the reader says where they diverge.
+    assert f"flight records: {flight}/rank*.json" in result.output, result.summary()
+    assert sorted(p.name for p in flight.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    status, text = _flight(flight)
+    assert status == 1, text
+    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1): the ranks diverge at sequence 2" in text
+    assert re.search(r"rank 0: allreduce\(float32\[4\]\) at .*stall\.py:\d+ .*\(not "
+                     r"finished: in it for [\d.]+ s\)", text), text
+    assert re.search(r"rank 1: has not reached it; its last: sequence 1, allreduce\(float32\[4\]\)",
+                     text), text
+    assert re.search(r"comm\d+, local device 0 \(ranks 0,1\): the ranks diverge at sequence 2",
+                     text), text
 
 
 def test_a_stopped_rank_does_not_answer_and_the_timeout_ends_the_job():
@@ -72,13 +97,16 @@ def test_a_stopped_rank_does_not_answer_and_the_timeout_ends_the_job():
     assert result.returncode != 0, result.summary()
     reports = _reports(result.output)
     assert reports, result.summary()
-    assert any(re.match(r"rank 1: no answer within 3 s", line)
+    # Named with its host, gathered when the side channel opened.
+    host = socket.gethostname()
+    assert any(line.startswith(f"rank 1 ({host}): no answer within 3 s")
                for _, lines in reports for line in lines), result.summary()
     assert "MPICOLL_TIMEOUT=6); aborting the job" in result.output
 
 
-def test_an_error_on_one_rank_is_printed_there_and_named_by_the_others():
-    result = run_mpiexec(3, [sys.executable, PROGRAM, "raise-one"], timeout=180)
+def test_an_error_on_one_rank_is_printed_there_and_named_by_the_others(tmp_path):
+    result = run_mpiexec(3, [sys.executable, PROGRAM, "raise-one"], timeout=180,
+                         env={"MPICOLL_FLIGHT_DIR": str(tmp_path)})
     assert result.returncode != 0, result.summary()
     assert result.output.count("Traceback (most recent call last)") == 1, result.summary()
     assert "uncaught exception on rank 1 of 3; aborting the job" in result.output
@@ -87,6 +115,49 @@ def test_an_error_on_one_rank_is_printed_there_and_named_by_the_others():
     # leaves them the time: it kills them 0.3 s later).
     named = re.findall(r"mpicoll: rank (\d): the job is being aborted by rank 1", result.output)
     assert set(named) <= {"0", "2"} and named, result.summary()
+    # The aborting rank's flight records are written (and those of the ranks
+    # that had time to take its notice).
+    reasons = {int(p.stem[4:]): json.loads(p.read_text())["otherData"]["reason"]
+               for p in tmp_path.glob("rank*.json")}
+    assert reasons.get(1) == "an uncaught exception on this rank", reasons
+    assert all(reasons[r] == "aborted by rank 1" for r in reasons if r != 1), reasons
+
+
+def test_sigusr1_writes_the_flight_records_and_the_job_goes_on(tmp_path):
+    result = run_mpiexec(2, [sys.executable, PROGRAM, "sigusr1"], timeout=180,
+                         env={"MPICOLL_FLIGHT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.summary()
+    assert "rank 0: flight dump written" in result.output, result.summary()
+    status, text = _flight(tmp_path)
+    assert status == 0 and "rank 0 (" in text and "written for: SIGUSR1" in text, text
+    data = json.loads((tmp_path / "rank0.json").read_text())
+    calls = [e for e in data["traceEvents"] if e.get("cat") == "collective"]
+    # The warm-up and three more allreduces, in order, all finished.
+    assert [e["args"]["sequence"] for e in calls] == [1, 2, 3, 4], calls
+    assert all(e["args"]["finished_ns"] and e["name"] == "allreduce(float32[4])" and
+               e["args"]["bytes"] == 16 and "stall.py" in e["args"]["site"] for e in calls)
+
+
+def test_the_timeline_shows_the_straggler_on_every_device(tmp_path):
+    env = {"MPICOLL_TRACE": str(tmp_path),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = run_mpiexec(3, [sys.executable, PROGRAM, "straggler", "0.05"], timeout=240, env=env)
+    assert result.returncode == 0, result.summary()
+    done = subprocess.run([sys.executable, "-m", "mpicoll", "trace", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the straggler: rank 2" in done.stdout, done.stdout
+    merged = json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
+    tracks = {(e["pid"], e["tid"]) for e in merged if e.get("ph") == "X"}
+    assert tracks == {(r, d) for r in range(3) for d in range(2)}, tracks
+    # Ranks 0 and 1 wait about 50 ms for rank 2 in each of the 5 late calls.
+    for rank in (0, 1):
+        waits = [e["dur"] for e in merged if e.get("cat") == "wait" and e["pid"] == rank]
+        assert sum(w > 30e3 for w in waits) >= 2 * 5, (rank, waits)
+    late = [e["dur"] for e in merged if e.get("cat") == "wait" and e["pid"] == 2]
+    assert sum(w > 30e3 for w in late) <= 2, late  # the first call's compile skew at most
+    svg = (tmp_path / "timeline.svg").read_text()
+    assert svg.startswith("<svg") and "rank 2 dev 1" in svg
 
 
 def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames():

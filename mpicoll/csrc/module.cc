@@ -449,7 +449,89 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED).
+// The flight recorder and the timeline (core/flight.h): set once, at import,
+// before the first collective.  set_flight(records per device, dump directory).
+PyObject* SetFlight(PyObject*, PyObject* args) {
+  long long capacity;
+  const char* dir;
+  if (!PyArg_ParseTuple(args, "Ls", &capacity, &dir)) return nullptr;
+  const long long most = static_cast<long long>(kChunkRecords * kMaxChunks);
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    flight_dir = dir;
+  }
+  flight_capacity.store(capacity < 0 ? 0 : std::min(capacity, most));
+  NoteWorld();
+  if (capacity > 0) StartWatchdog();  // it writes the dumps SIGUSR1 asks for
+  Py_RETURN_NONE;
+}
+
+// set_trace(directory): keep every record and write it there ("" = off).
+PyObject* SetTrace(PyObject*, PyObject* arg) {
+  const char* dir = PyUnicode_AsUTF8(arg);
+  if (!dir) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    trace_dir = dir;
+  }
+  tracing.store(dir[0] != '\0');
+  NoteWorld();
+  Py_RETURN_NONE;
+}
+
+PyObject* SetClockOffset(PyObject*, PyObject* arg) {
+  const long long offset = PyLong_AsLongLong(arg);
+  if (offset == -1 && PyErr_Occurred()) return nullptr;
+  clock_offset_ns.store(offset);
+  Py_RETURN_NONE;
+}
+
+PyObject* SetHostNames(PyObject*, PyObject* arg) {
+  PyObject* items = PySequence_Fast(arg, "set_host_names: a sequence of str");
+  if (!items) return nullptr;
+  std::vector<std::string> hosts;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
+    const char* host = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(items, i));
+    if (!host) {
+      Py_DECREF(items);
+      return nullptr;
+    }
+    hosts.emplace_back(host);
+  }
+  Py_DECREF(items);
+  std::lock_guard<std::mutex> lock(hosts_mutex);
+  world_hosts = std::move(hosts);
+  Py_RETURN_NONE;
+}
+
+// write_trace(reason) / dump_flight(reason) -> whether a file was written.
+PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
+  const char* reason = PyUnicode_AsUTF8(arg);
+  if (!reason) return nullptr;
+  const std::string why = reason;
+  bool written;
+  Py_BEGIN_ALLOW_THREADS
+  written = WriteTrace(WorldRank(), world_size.load(), why);
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(written);
+}
+
+PyObject* PyDumpFlight(PyObject*, PyObject* arg) {
+  const char* reason = PyUnicode_AsUTF8(arg);
+  if (!reason) return nullptr;
+  const std::string why = reason;
+  bool written;
+  Py_BEGIN_ALLOW_THREADS
+  last_flight_dump_ns.store(0);  // asked for: not rate-limited
+  written = DumpFlight(WorldRank(), world_size.load(), why);
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(written);
+}
+
+// The clock the records use (steady_clock), for measuring offsets between ranks.
+PyObject* PyNowNs(PyObject*, PyObject*) { return PyLong_FromLongLong(NowNs()); }
+
+// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED mode).
 PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return nullptr;
@@ -502,6 +584,15 @@ PyMethodDef methods[] = {
     {"set_side_channel", SetSideChannel, METH_O,
      "The communicator (handle) the watchdogs ask each other's state on."},
     {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
+    {"set_flight", SetFlight, METH_VARARGS,
+     "(records kept per device, 0 = off; directory the dumps go to)."},
+    {"set_trace", SetTrace, METH_O, "Keep every record, written to this directory ('' = off)."},
+    {"set_clock_offset", SetClockOffset, METH_O,
+     "Rank 0's clock minus this rank's, in ns (written with the records)."},
+    {"set_host_names", SetHostNames, METH_O, "Every rank's host name, in rank order."},
+    {"write_trace", PyWriteTrace, METH_O, "Write the timeline's records now (reason)."},
+    {"dump_flight", PyDumpFlight, METH_O, "Write the flight recorder's records now (reason)."},
+    {"now_ns", PyNowNs, METH_NOARGS, "The records' clock, in ns."},
     {"announce_abort", PyAnnounceAbort, METH_O,
      "Tell every rank this one ends the job; after settling (ms), the lowest rank that does."},
     {"stop_watchdog", PyStopWatchdog, METH_NOARGS,

@@ -10,6 +10,10 @@
              timeout ends the job
   raise-one  rank 1 raises (uncaught) while the others wait in an allreduce
   raise-all  every rank raises the same error
+  sigusr1    rank 0 sends itself SIGUSR1 after a few collectives: its flight records are
+             written (MPICOLL_FLIGHT_DIR) while the job goes on
+  straggler  the last rank sleeps before each of 5 allreduces, on every local device
+             (pmap): its timeline (MPICOLL_TRACE) shows the others waiting for it
 """
 
 import os
@@ -53,4 +57,25 @@ elif CASE == "raise-one":
     summed(jnp.ones(4)).block_until_ready()
 elif CASE == "raise-all":
     mpicoll.allreduce(jnp.ones(3), op="nope")
+elif CASE == "sigusr1":
+    for _ in range(3):
+        summed(jnp.ones(4)).block_until_ready()
+    if RANK == 0:
+        path = os.path.join(os.environ["MPICOLL_FLIGHT_DIR"], "rank0.json")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(100):  # the watchdog writes it within its 0.1 s tick
+            if os.path.exists(path):
+                break
+            time.sleep(0.05)
+        print(f"rank 0: flight dump {'written' if os.path.exists(path) else 'missing'}",
+              flush=True)
+    summed(jnp.ones(4)).block_until_ready()
+elif CASE == "straggler":
+    per_device = jax.pmap(lambda x: mpicoll.allreduce(x))
+    x = jnp.ones((jax.local_device_count(), 4))
+    per_device(x).block_until_ready()
+    for _ in range(5):
+        if RANK == SIZE - 1:
+            time.sleep(SLEEP)
+        per_device(x).block_until_ready()
 print(f"rank {RANK}: done", flush=True)

@@ -3,6 +3,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +44,9 @@ struct Call {
   // and why a received message did not fit (kCheckFailed).
   mutable int32_t status[2];
   mutable std::string failure;
+  // The input's shape, for the flight records (nullptr: not known, e.g. fused arrays).
+  const int64_t* dims;
+  int ndims;
   // in/out are device pointers (CUDA-aware MPI): no host code may touch them.
   bool device_buffers;
 };
@@ -97,6 +101,11 @@ struct RankBlocks {
 // (which are never negative).
 constexpr int kTransportFailed = -1;  // a strategy's copy failed; its `error` says why
 constexpr int kCheckFailed = -2;      // a body's own check failed; c.failure says why
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 inline std::string CommName(MPI_Comm comm) {
   char name[MPI_MAX_OBJECT_NAME];

@@ -145,24 +145,29 @@ int RunCollective(Call& c, Memory& memory) {
 template <typename Op, typename Memory, typename Describe, typename BeforeRun = NothingBeforeRun>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,
                    BeforeRun&& before_run = {}) {
+  const int64_t queued_ns = Recording() ? NowNs() : 0;
   progress_threads[device].Drain();
   SerializedMpiScope serialized;
-  InFlightScope watched(c, device);
-  if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
-  // Rank blocks have the same shapes on every rank, so an empty array skips MPI
-  // on every rank (counts and messages may be empty on one rank only).
-  if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {
+  InFlightScope watched(c, device, /*new_call=*/true, queued_ns);
+  ffi::Error result = [&] {
+    if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
+    // Rank blocks have the same shapes on every rank, so an empty array skips MPI
+    // on every rank (counts and messages may be empty on one rank only).
+    if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {
+      return ffi::Error::Success();
+    }
+    if (int rc = before_run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
+    const int rc = RunCollective<Op>(c, memory);
+    if (rc == kCheckFailed) return ffi::Error::Internal(c.failure);
+    if (rc == kTransportFailed) {
+      return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on rank " +
+                                  std::to_string(c.rank) + ": " + memory.error);
+    }
+    if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
     return ffi::Error::Success();
-  }
-  if (int rc = before_run(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
-  const int rc = RunCollective<Op>(c, memory);
-  if (rc == kCheckFailed) return ffi::Error::Internal(c.failure);
-  if (rc == kTransportFailed) {
-    return ffi::Error::Internal(std::string("mpicoll.") + c.name + " on rank " +
-                                std::to_string(c.rank) + ": " + memory.error);
-  }
-  if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
-  return ffi::Error::Success();
+  }();
+  watched.failed = result.failure();
+  return result;
 }
 
 template <typename Op>
@@ -189,6 +194,8 @@ ffi::Error PrepareArray(Call& c, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>&
   c.out = static_cast<char*>(out->untyped_data());
   c.in_count = x.element_count();
   c.out_count = out->element_count();
+  c.dims = x.dimensions().begin();
+  c.ndims = static_cast<int>(x.dimensions().size());
   return ffi::Error::Success();
 }
 

@@ -19,6 +19,7 @@
 #include "call.h"
 #include "comm_table.h"
 #include "dtypes.h"
+#include "flight.h"
 #include "reduce_ops.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -143,10 +144,6 @@ inline std::string setup_description;  // what kSetupSlot waits on (set from Pyt
 inline std::atomic<double> timeout_seconds{0.0};
 inline std::atomic<double> stall_report_seconds{0.0};
 
-inline int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 inline const int64_t process_start_ns = NowNs();
 
 // Ends the whole job after a report was written to stderr.  The launcher
@@ -163,29 +160,48 @@ inline const int64_t process_start_ns = NowNs();
 }
 
 // The number of collectives each device has entered on each communicator: a
-// collective's sequence number, the same on every rank that has reached it.
-// Touched by the device's own (sequential) program only.
-inline std::unordered_map<MPI_Comm, uint64_t> sequences[kMaxLocalDevices + 1];
+// collective's sequence number, the same on every rank that has reached it;
+// and the communicator's identity for the flight records (made at its first
+// collective).  Touched by the device's own (sequential) program only.
+struct CommCounter {
+  uint64_t sequence = 0;
+  const CommIdentity* identity = nullptr;
+};
+inline std::unordered_map<MPI_Comm, CommCounter> sequences[kMaxLocalDevices + 1];
 
-// Marks a device as inside a collective for the watchdog, for one scope.
-// new_call=false: a wait inside a call already counted (the local devices'
-// meeting of the combined allreduce), which keeps its sequence number.
+// Marks a device as inside a collective for the watchdog, and records it
+// (flight.h), for one scope.  new_call=false: a wait inside a call already
+// counted (the local devices' meeting of the combined allreduce), which keeps
+// its sequence number and is not recorded again.  queued_ns: when the handler
+// was entered, before it waited for the device's earlier calls (0: now).
 struct InFlightScope {
   InFlight* slot = nullptr;
-  InFlightScope(const Call& c, int32_t device, bool new_call = true) {
+  FlightRecord* record = nullptr;
+  bool failed = false;  // set by the caller when the collective returns an error
+  InFlightScope(const Call& c, int32_t device, bool new_call = true, int64_t queued_ns = 0) {
     slot = &in_flight[device];
     slot->name.store(c.name, std::memory_order_relaxed);
     slot->rank.store(c.rank, std::memory_order_relaxed);
     slot->comm.store(c.comm, std::memory_order_relaxed);
     slot->site.store(c.site, std::memory_order_relaxed);
-    uint64_t& sequence = sequences[device][c.comm];
-    slot->sequence.store(new_call ? ++sequence : sequence, std::memory_order_relaxed);
+    CommCounter& counter = sequences[device][c.comm];
+    const int64_t now = NowNs();
+    if (new_call) {
+      ++counter.sequence;
+      if (Recording() && device < kMaxLocalDevices) {
+        if (!counter.identity) counter.identity = IdentifyComm(c.comm);
+        record = BeginRecord(device, c, counter.identity, counter.sequence, queued_ns, now);
+      }
+    }
+    slot->sequence.store(counter.sequence, std::memory_order_relaxed);
     slot->dtype.store(static_cast<int>(c.dtype), std::memory_order_relaxed);
     slot->count.store(static_cast<int64_t>(c.in_count), std::memory_order_relaxed);
-    slot->started_ns.store(NowNs(), std::memory_order_release);
+    slot->started_ns.store(now, std::memory_order_release);
   }
   ~InFlightScope() {
-    slot->left_ns.store(NowNs(), std::memory_order_relaxed);
+    const int64_t now = NowNs();
+    FinishRecord(record, now, failed);
+    slot->left_ns.store(now, std::memory_order_relaxed);
     slot->started_ns.store(0, std::memory_order_release);
   }
 };

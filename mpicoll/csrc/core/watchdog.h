@@ -39,19 +39,12 @@ inline std::atomic<bool> watchdog_started{false};
 // Python's exit handler sets stop before MPI is finalized and waits for
 // stopped: after it the watchdog makes no MPI call.
 inline std::atomic<bool> watchdog_stop{false}, watchdog_stopped{false};
-inline std::mutex site_mutex;
-inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line (function)"
 
 constexpr int kStateRequestTag = 7301;
 constexpr int kStateReplyTag = 7302;
 constexpr int kAbortNoticeTag = 7303;  // "rank r is ending the job" (an uncaught exception)
 constexpr double kAnswerWithin = 3.0;  // s a report waits for the other ranks' answers
 
-inline std::string SiteText(int64_t site) {
-  std::lock_guard<std::mutex> lock(site_mutex);
-  auto found = site_descriptions.find(site);
-  return found == site_descriptions.end() ? std::string() : found->second;
-}
 
 // One rank's answer: what its busiest device is doing.  Plain bytes on the wire.
 struct RankState {
@@ -68,6 +61,16 @@ struct RankState {
 
 inline void Copy(char* into, size_t size, const std::string& text) {
   std::snprintf(into, size, "%s", text.c_str());
+}
+
+// Every rank's host name, gathered when the side channel opens (comm.py): a
+// rank that cannot answer (its host is gone) is still named with its host.
+inline std::mutex hosts_mutex;
+inline std::vector<std::string> world_hosts;
+inline std::string HostOf(int rank) {
+  std::lock_guard<std::mutex> lock(hosts_mutex);
+  return rank >= 0 && rank < static_cast<int>(world_hosts.size()) ? world_hosts[rank]
+                                                                   : std::string("?");
 }
 
 // COMM_WORLD's rank and size, read once by the thread that starts the watchdog
@@ -137,23 +140,32 @@ inline void ReceiveEach(int tag, Handle&& handle) {
   if (!SideChannelUp()) return;
   MPI_Comm comm = side_channel.load();
   for (;;) {
+    // A matched probe: the main thread may take abort notices at the same
+    // time (AnnounceAbort), and a plain probe-then-receive could leave one
+    // thread blocked in a receive whose message the other took.
     int pending = 0;
+    MPI_Message message;
     MPI_Status status;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, tag, comm, &pending, &status) != MPI_SUCCESS || !pending) {
+    if (MPI_Improbe(MPI_ANY_SOURCE, tag, comm, &pending, &message, &status) != MPI_SUCCESS ||
+        !pending) {
       return;
     }
     int value = -1;
-    MPI_Recv(&value, 1, MPI_INT, status.MPI_SOURCE, tag, comm, MPI_STATUS_IGNORE);
+    MPI_Mrecv(&value, 1, MPI_INT, &message, MPI_STATUS_IGNORE);
     handle(status.MPI_SOURCE, value);
   }
 }
 
 // Answers every pending state request (the watchdog's loop, and while a report
 // waits for its own answers, so that two reporting ranks never wait on each other).
+// A request comes with a stall report, so this rank's flight records are
+// written too (DumpFlight writes at most once a second).
 inline void ServeStateRequests() {
   ReceiveEach(kStateRequestTag, [](int source, int) {
     RankState mine = OwnState();
     MPI_Send(&mine, sizeof(mine), MPI_BYTE, source, kStateReplyTag, side_channel.load());
+    DumpFlight(WorldRank(), world_size.load(),
+               "a stall report on rank " + std::to_string(source) + " asked");
   });
 }
 
@@ -174,6 +186,9 @@ inline void TakeAbortNotices() {
       std::fprintf(stderr, "mpicoll: rank %d: the job is being aborted by rank %d (its error is "
                    "printed there)\n", WorldRank(), who);
       std::fflush(stderr);
+      const std::string why = "aborted by rank " + std::to_string(who);
+      DumpFlight(WorldRank(), world_size.load(), why);
+      WriteTrace(WorldRank(), world_size.load(), why);
     }
   });
 }
@@ -187,7 +202,11 @@ inline int AnnounceAbort(int settle_ms) {
   int seen = lowest_aborting.load();
   while (me < seen && !lowest_aborting.compare_exchange_weak(seen, me)) {
   }
-  if (!SideChannelUp()) return me;
+  if (!SideChannelUp()) {
+    DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
+    WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
+    return me;
+  }
   MPI_Comm comm = side_channel.load();
   static int announced;
   announced = me;
@@ -198,6 +217,8 @@ inline int AnnounceAbort(int settle_ms) {
       MPI_Request_free(&request);
     }
   }
+  DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
+  WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
   std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
   TakeAbortNotices();
   return std::min(me, lowest_aborting.load());
@@ -220,18 +241,20 @@ inline std::vector<RankState> EveryRanksState() {
   }
   int answered = 1;
   const int64_t deadline = NowNs() + static_cast<int64_t>(kAnswerWithin * 1e9);
-  while (answered < size && NowNs() < deadline) {
+  // Polls rather than blocks, so that it answers requests meanwhile and sees
+  // watchdog_stop: the process may be about to finalize MPI.
+  while (answered < size && NowNs() < deadline && !watchdog_stop.load()) {
     ServeStateRequests();
     int pending = 0;
+    MPI_Message message;
     MPI_Status status;
-    MPI_Iprobe(MPI_ANY_SOURCE, kStateReplyTag, comm, &pending, &status);
+    MPI_Improbe(MPI_ANY_SOURCE, kStateReplyTag, comm, &pending, &message, &status);
     if (!pending) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       continue;
     }
     RankState theirs;
-    MPI_Recv(&theirs, sizeof(theirs), MPI_BYTE, status.MPI_SOURCE, kStateReplyTag, comm,
-             MPI_STATUS_IGNORE);
+    MPI_Mrecv(&theirs, sizeof(theirs), MPI_BYTE, &message, MPI_STATUS_IGNORE);
     if (states[status.MPI_SOURCE].world_rank < 0) ++answered;
     states[status.MPI_SOURCE] = theirs;
   }
@@ -285,7 +308,8 @@ inline std::string StallReport(const std::vector<RankState>& states, int me, boo
     const RankState& s = states[r];
     char line[256];
     if (s.world_rank < 0) {
-      std::snprintf(line, sizeof(line), "  rank %d: no answer within %.0f s", r, kAnswerWithin);
+      std::snprintf(line, sizeof(line), "  rank %d (%s): no answer within %.0f s", r,
+                    HostOf(r).c_str(), kAnswerWithin);
       text += std::string(line) + " (its process is gone, stopped, or its host unreachable)\n";
     } else if (s.in_collective) {
       std::snprintf(line, sizeof(line), "  rank %d (%s): for %.1f s in ", r, s.host, s.seconds);
@@ -330,19 +354,33 @@ inline std::string TimeoutLine(int me, double limit) {
   return line;
 }
 
+// Writes this rank's flight records (the other ranks write theirs when asked
+// for their state) and says where, for the report.
+inline std::string FlightLine(int me, const char* why) {
+  if (!DumpFlight(me, world_size.load(), why)) return std::string();
+  return "  flight records: " + flight_dir + "/rank*.json (python -m mpicoll flight " +
+         flight_dir + ")\n";
+}
+
 inline void Watchdog() {
+  // Every return (the loop checks watchdog_stop at least every 20 ms, the
+  // state requests every 5 ms) tells StopWatchdog that no MPI call follows.
+  struct Stopped {
+    ~Stopped() { watchdog_stopped.store(true); }
+  } stopped;
   int64_t episode = 0;      // started_ns of the wait being reported on
   double next_report = 0;   // s into that wait
   for (;;) {
     double limit = timeout_seconds.load(), stall = stall_report_seconds.load();
     std::this_thread::sleep_for(std::chrono::milliseconds(
         (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 100));
-    if (watchdog_stop.load()) {
-      watchdog_stopped.store(true);
-      return;
-    }
+    if (watchdog_stop.load()) return;
     ServeStateRequests();
     TakeAbortNotices();
+    if (flight_dump_asked.exchange(false)) {
+      DumpFlight(WorldRank(), world_size.load(), "SIGUSR1");
+      WriteTrace(WorldRank(), world_size.load(), "SIGUSR1");
+    }
     const int64_t now = NowNs();
     int64_t earliest = 0;
     for (int d = 0; d <= kSetupSlot; ++d) {
@@ -356,15 +394,21 @@ inline void Watchdog() {
     if (!timed_out && !(stall > 0 && waited >= next_report)) continue;
     const int me = WorldRank();
     std::vector<RankState> states = EveryRanksState();
+    if (watchdog_stop.load()) return;  // the wait ended and the process is exiting
     std::string report = StallReport(states, me, /*always=*/false);
     if (timed_out) {
       // One report for the job: the lowest stalled rank's.  The others give it
       // a moment to end the job, then end it themselves.
       if (report.empty()) {
-        std::this_thread::sleep_for(std::chrono::seconds(2));
+        for (int i = 0; i < 100 && !watchdog_stop.load(); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        if (watchdog_stop.load()) return;
         report = StallReport(states, me, /*always=*/true);
       }
-      std::fprintf(stderr, "%s%s", report.c_str(), TimeoutLine(me, limit).c_str());
+      std::fprintf(stderr, "%s%s%s", report.c_str(), FlightLine(me, "the timeout").c_str(),
+                   TimeoutLine(me, limit).c_str());
+      WriteTrace(me, world_size.load(), "MPICOLL_TIMEOUT");
       AbortJob(3);
     }
     if (!report.empty()) {
@@ -374,7 +418,8 @@ inline void Watchdog() {
                     limit > 0 ? (", the job ends after MPICOLL_TIMEOUT=" +
                                  std::to_string(static_cast<int>(limit)) + " s").c_str()
                               : "; MPICOLL_TIMEOUT=0: it waits forever");
-      std::fprintf(stderr, "%s%s", report.c_str(), tail);
+      std::fprintf(stderr, "%s%s%s", report.c_str(), FlightLine(me, "a stall report").c_str(),
+                   tail);
       std::fflush(stderr);
     }
     next_report *= 2;
@@ -385,18 +430,26 @@ inline void Watchdog() {
 inline void StopWatchdog() {
   if (!watchdog_started.load() || watchdog_stopped.load()) return;
   watchdog_stop.store(true);
-  for (int i = 0; i < 200 && !watchdog_stopped.load(); ++i) {
+  // The watchdog sees the flag within 20 ms, wherever it is; the bound is for
+  // a thread stuck inside MPI itself (a broken MPI), which finalize may then meet.
+  for (int i = 0; i < 2000 && !watchdog_stopped.load(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
-inline void StartWatchdog() {
-  if (watchdog_started.exchange(true)) return;
+// COMM_WORLD's rank and size, from a thread that may call MPI (Python's, at import).
+inline void NoteWorld() {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   world_rank.store(rank);
   world_size.store(size);
+}
+
+inline void StartWatchdog() {
+  if (watchdog_started.exchange(true)) return;
+  NoteWorld();
+  InstallSigusr1();
   std::thread(Watchdog).detach();
 }
 

@@ -1,0 +1,343 @@
+// The flight recorder and the timeline: one record per collective per local
+// device (sequence number, op, communicator, dtype and shape, bytes, call
+// site, and when it was queued, started and finished), written by the
+// device's own thread as the collective runs.
+//
+//   * flight recorder (MPICOLL_FLIGHT_RECORDS, default 1000, 0 = off): each
+//     device keeps its last N records in a ring; the watchdog writes them to
+//     MPICOLL_FLIGHT_DIR/rank<r>.json on a stall report (every rank: the
+//     report's state request asks for it), a timeout, an abort and SIGUSR1.
+//     `python -m mpicoll flight DIR` finds where the ranks diverge.
+//   * timeline (MPICOLL_TRACE=DIR): every record is kept (chunks of 4,096,
+//     up to 2**24 per device) and written to DIR/rank<r>.json at exit (and on
+//     a timeout or abort).  `python -m mpicoll trace DIR` merges the ranks.
+//
+// Both files are one format, a Chrome trace (pid = rank, tid = local device;
+// open one in chrome://tracing or ui.perfetto.dev) whose events carry every
+// field in "args"; so one writer and one reader serve both.
+//
+// Cost on the hot path: the records' stores, one clock read (queued) and, at a
+// communicator's first collective on a device, its name and members.  The
+// last finished collective's record is written while the next is recorded, so
+// records are read without locks: a record being written has an odd stamp and
+// a reader skips it.
+#pragma once
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "call.h"
+#include "dtypes.h"
+
+namespace mpicoll {
+
+// A communicator as the records name it: its name and its members' COMM_WORLD
+// ranks, which tell apart two groups of a split that have the same name.
+struct CommIdentity {
+  std::string name;     // e.g. mpicoll:MPI_COMM_WORLD:device0
+  std::string members;  // e.g. 0,2,4 (COMM_WORLD ranks, in the communicator's rank order)
+};
+
+inline CommIdentity* IdentifyComm(MPI_Comm comm) {
+  auto* identity = new CommIdentity{CommName(comm), std::string()};  // kept for the process
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  int size = 0;
+  if (MPI_Comm_group(comm, &group) == MPI_SUCCESS && MPI_Group_size(group, &size) == MPI_SUCCESS &&
+      MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    std::vector<int> ranks(size), in_world(size, MPI_UNDEFINED);
+    for (int i = 0; i < size; ++i) ranks[i] = i;
+    MPI_Group_translate_ranks(group, size, ranks.data(), world, in_world.data());
+    for (int i = 0; i < size; ++i) {
+      identity->members += (i ? "," : "") + std::to_string(in_world[i]);
+    }
+  }
+  if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+  if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
+  return identity;
+}
+
+constexpr int kMaxShape = 6;  // dims recorded; a higher rank records its element count only
+
+struct FlightRecord {
+  std::atomic<uint64_t> stamp{0};  // 2 * (index + 1) once written; odd while being written
+  uint64_t sequence;
+  const char* op;
+  const CommIdentity* comm;
+  int32_t rank, size, dtype, ndims;  // ndims -1: shape not recorded
+  int64_t dims[kMaxShape];
+  int64_t count, bytes, site;
+  int64_t queued_ns, started_ns;
+  std::atomic<int64_t> finished_ns{0};  // 0 while running
+  std::atomic<int32_t> failed{0};
+};
+
+constexpr uint64_t kChunkRecords = 4096;
+constexpr uint64_t kMaxChunks = 4096;  // 2**24 records per device when tracing
+
+struct DeviceLog {
+  std::atomic<FlightRecord*> chunks[kMaxChunks] = {};
+  std::atomic<uint64_t> next{0};  // records written so far
+};
+
+inline std::atomic<int64_t> flight_capacity{1000};  // records per device in the ring; 0 = off
+inline std::atomic<bool> tracing{false};             // keep every record (MPICOLL_TRACE)
+inline std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
+inline std::mutex flight_setup_mutex;                // allocation and the directories
+inline std::string flight_dir, trace_dir;
+inline std::atomic<int64_t> clock_offset_ns{0};      // rank 0's clock minus this one's (tracing)
+
+inline bool Recording() { return tracing.load(std::memory_order_relaxed) ||
+                                 flight_capacity.load(std::memory_order_relaxed) > 0; }
+
+inline DeviceLog* LogOf(int32_t device) {
+  DeviceLog* log = device_logs[device].load(std::memory_order_acquire);
+  if (log) return log;
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  log = device_logs[device].load(std::memory_order_relaxed);
+  if (!log) {
+    log = new DeviceLog();  // kept for the process: the watchdog may read it at exit
+    device_logs[device].store(log, std::memory_order_release);
+  }
+  return log;
+}
+
+// The slot of record number `index`: in a ring of flight_capacity records, or,
+// when tracing, the index-th record of the device's chunks.  nullptr when the
+// trace is full.
+inline FlightRecord* SlotFor(DeviceLog* log, uint64_t index) {
+  uint64_t position = index;
+  if (!tracing.load(std::memory_order_relaxed)) {
+    position = index % static_cast<uint64_t>(flight_capacity.load(std::memory_order_relaxed));
+  }
+  const uint64_t chunk = position / kChunkRecords;
+  if (chunk >= kMaxChunks) return nullptr;
+  FlightRecord* records = log->chunks[chunk].load(std::memory_order_acquire);
+  if (!records) {
+    records = new FlightRecord[kChunkRecords];
+    log->chunks[chunk].store(records, std::memory_order_release);  // only this device's thread writes
+  }
+  return &records[position % kChunkRecords];
+}
+
+// Starts a record (finished_ns 0); returns it for FinishRecord, or nullptr.
+inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdentity* comm,
+                                 uint64_t sequence, int64_t queued_ns, int64_t started_ns) {
+  if (!Recording()) return nullptr;
+  DeviceLog* log = LogOf(device);
+  const uint64_t index = log->next.load(std::memory_order_relaxed);
+  FlightRecord* r = SlotFor(log, index);
+  if (!r) return nullptr;
+  r->stamp.store(2 * index + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  r->sequence = sequence;
+  r->op = c.name;
+  r->comm = comm;
+  r->rank = c.rank;
+  r->size = c.size;
+  r->dtype = static_cast<int32_t>(c.dtype);
+  r->ndims = c.dims && c.ndims <= kMaxShape ? c.ndims : -1;
+  for (int i = 0; i < r->ndims; ++i) r->dims[i] = c.dims[i];
+  r->count = static_cast<int64_t>(c.in_count);
+  r->bytes = static_cast<int64_t>(c.in_count * c.elem_bytes);
+  r->site = c.site;
+  r->queued_ns = queued_ns ? queued_ns : started_ns;
+  r->started_ns = started_ns;
+  r->finished_ns.store(0, std::memory_order_relaxed);
+  r->failed.store(0, std::memory_order_relaxed);
+  r->stamp.store(2 * index + 2, std::memory_order_release);
+  log->next.store(index + 1, std::memory_order_release);
+  return r;
+}
+
+inline void FinishRecord(FlightRecord* r, int64_t finished_ns, bool failed) {
+  if (!r) return;
+  r->failed.store(failed ? 1 : 0, std::memory_order_relaxed);
+  r->finished_ns.store(finished_ns, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------------------
+// Writing the records: a Chrome trace, one "X" event per span.  The collective
+// is the span started -> finished (to the time of writing while it runs), and
+// a "queued" span precedes it where the device waited for its earlier
+// overlapped calls, the serialized lock or the check.
+inline std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char ch : text) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += static_cast<char>(ch);
+    } else if (ch < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof(escaped), "\\u%04x", ch);
+      out += escaped;
+    } else {
+      out += static_cast<char>(ch);
+    }
+  }
+  return out + "\"";
+}
+
+// Call sites as the user's source lines (set from Python when a call is lowered).
+inline std::mutex site_mutex;
+inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line (function)"
+
+inline std::string SiteText(int64_t site) {
+  std::lock_guard<std::mutex> lock(site_mutex);
+  auto found = site_descriptions.find(site);
+  return found == site_descriptions.end() ? std::string() : found->second;
+}
+
+inline std::string& HostName() {
+  static std::string host = [] {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    return std::string(name);
+  }();
+  return host;
+}
+
+// The records of every local device as a Chrome trace; `reason` says why it
+// was written.  Times in microseconds on this process's steady clock.
+inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason) {
+  const int64_t now = NowNs();
+  char head[512];
+  std::snprintf(head, sizeof(head),
+                "{\"displayTimeUnit\": \"ns\", \"otherData\": {\"mpicoll\": 1, \"rank\": %d, "
+                "\"size\": %d, \"host\": %s, \"reason\": %s, \"written_ns\": %lld, "
+                "\"clock_offset_ns\": %lld, \"kept\": %s},\n\"traceEvents\": [\n",
+                world_rank, world_size, JsonString(HostName()).c_str(),
+                JsonString(reason).c_str(), static_cast<long long>(now),
+                static_cast<long long>(clock_offset_ns.load()),
+                tracing.load() ? "\"all\"" : "\"last\"");
+  std::string out = head;
+  char meta[160];
+  std::snprintf(meta, sizeof(meta),
+                "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": "
+                "{\"name\": \"rank %d\"}}",
+                world_rank, world_rank);
+  out += meta;
+  for (int d = 0; d < kMaxLocalDevices; ++d) {
+    DeviceLog* log = device_logs[d].load(std::memory_order_acquire);
+    if (!log) continue;
+    std::snprintf(meta, sizeof(meta),
+                  ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, "
+                  "\"args\": {\"name\": \"local device %d\"}}",
+                  world_rank, d, d);
+    out += meta;
+    const uint64_t written = log->next.load(std::memory_order_acquire);
+    const uint64_t kept = tracing.load() ? written
+                          : std::min<uint64_t>(written, flight_capacity.load());
+    for (uint64_t index = written - kept; index < written; ++index) {
+      FlightRecord* r = SlotFor(log, index);
+      if (!r || r->stamp.load(std::memory_order_acquire) != 2 * index + 2) continue;
+      const int64_t finished = r->finished_ns.load(std::memory_order_acquire);
+      std::string shape = "[";
+      for (int i = 0; i < r->ndims; ++i) shape += (i ? "," : "") + std::to_string(r->dims[i]);
+      shape += r->ndims < 0 ? std::to_string(r->count) + "]" : "]";
+      const std::string call = std::string(r->op) + "(" +
+          DtypeName(static_cast<ffi::DataType>(r->dtype)) + shape + ")";
+      std::string args = "{\"sequence\": " + std::to_string(r->sequence) +
+          ", \"call\": " + JsonString(call) + ", \"op\": " + JsonString(r->op) +
+          ", \"comm\": " + JsonString(r->comm ? r->comm->name : "?") +
+          ", \"members\": " + JsonString(r->comm ? r->comm->members : "") +
+          ", \"comm_rank\": " + std::to_string(r->rank) +
+          ", \"comm_size\": " + std::to_string(r->size) +
+          ", \"dtype\": " + JsonString(DtypeName(static_cast<ffi::DataType>(r->dtype))) +
+          ", \"shape\": " + (r->ndims < 0 ? std::string("null") : shape) +
+          ", \"bytes\": " + std::to_string(r->bytes) +
+          ", \"site\": " + JsonString(SiteText(r->site)) +
+          ", \"queued_ns\": " + std::to_string(r->queued_ns) +
+          ", \"started_ns\": " + std::to_string(r->started_ns) +
+          ", \"finished_ns\": " + (finished ? std::to_string(finished) : std::string("null")) +
+          ", \"failed\": " + (r->failed.load() ? "true" : "false") + "}";
+      char event[256];
+      if (r->started_ns > r->queued_ns) {
+        std::snprintf(event, sizeof(event),
+                      ",\n{\"ph\": \"X\", \"cat\": \"queued\", \"name\": \"queued\", \"pid\": %d, "
+                      "\"tid\": %d, \"ts\": %.3f, \"dur\": %.3f}",
+                      world_rank, d, r->queued_ns * 1e-3, (r->started_ns - r->queued_ns) * 1e-3);
+        out += event;
+      }
+      std::snprintf(event, sizeof(event),
+                    ",\n{\"ph\": \"X\", \"cat\": \"collective\", \"pid\": %d, \"tid\": %d, "
+                    "\"ts\": %.3f, \"dur\": %.3f, \"name\": ",
+                    world_rank, d, r->started_ns * 1e-3,
+                    ((finished ? finished : now) - r->started_ns) * 1e-3);
+      out += event + JsonString(call) + ", \"args\": " + args + "}";
+    }
+  }
+  return out + "\n]}\n";
+}
+
+// Writes the records to dir/rank<r>.json (through a temporary file, so a
+// reader never sees half a file); false where it cannot.
+inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
+                         const std::string& reason) {
+  if (dir.empty()) return false;
+  mkdir(dir.c_str(), 0777);  // the parent exists (checked at import); EEXIST is fine
+  const std::string text = RecordsJson(world_rank, world_size, reason);
+  const std::string path = dir + "/rank" + std::to_string(world_rank) + ".json";
+  const std::string partial = path + ".partial";
+  FILE* file = std::fopen(partial.c_str(), "w");
+  if (!file) return false;
+  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
+  if (std::fclose(file) != 0 || !written) return false;
+  return std::rename(partial.c_str(), path.c_str()) == 0;
+}
+
+// The flight dump (the ring's last records), at most once per `reason` kind a
+// second: a stall's state requests from several ranks ask at once.
+inline std::atomic<int64_t> last_flight_dump_ns{0};
+inline bool DumpFlight(int world_rank, int world_size, const std::string& reason) {
+  if (flight_capacity.load() <= 0 || flight_dir.empty()) return false;
+  const int64_t now = NowNs(), last = last_flight_dump_ns.load();
+  if (last && now - last < 1000000000) return true;
+  last_flight_dump_ns.store(now);
+  return WriteRecords(flight_dir, world_rank, world_size, reason);
+}
+
+inline bool WriteTrace(int world_rank, int world_size, const std::string& reason) {
+  if (!tracing.load() || trace_dir.empty()) return false;
+  return WriteRecords(trace_dir, world_rank, world_size, reason);
+}
+
+// SIGUSR1: a flight dump, written by the watchdog thread (no file I/O in a
+// signal handler).  A handler already there is chained to: MPICH installs one
+// at MPI_Init (its launcher signals process failures with SIGUSR1), and a
+// dump is welcome then too.  A program that sets its own handler later
+// (signal.signal) replaces this one.
+inline std::atomic<bool> flight_dump_asked{false};
+inline struct sigaction previous_sigusr1 = {};
+
+inline void OnSigusr1(int signal, siginfo_t* info, void* context) {
+  flight_dump_asked.store(true);
+  const struct sigaction& before = previous_sigusr1;
+  if (before.sa_flags & SA_SIGINFO) {
+    if (before.sa_sigaction) before.sa_sigaction(signal, info, context);
+  } else if (before.sa_handler != SIG_DFL && before.sa_handler != SIG_IGN) {
+    before.sa_handler(signal);
+  }
+}
+
+inline void InstallSigusr1() {
+  struct sigaction action = {};
+  action.sa_sigaction = OnSigusr1;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART | SA_SIGINFO;
+  sigaction(SIGUSR1, &action, &previous_sigusr1);
+}
+
+}  // namespace mpicoll
