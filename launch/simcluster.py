@@ -5,6 +5,7 @@
     launch/simcluster.py run --ranks-per-host 2,1,2 --timeout 120 -- python prog.py
     launch/simcluster.py check                 # can this machine make the namespaces?
     launch/simcluster.py kill-host --state DIR simhost1   # kill a host of a running job
+    launch/simcluster.py freeze-host --state DIR simhost1 # stop (SIGSTOP) a host of a job
 
 The cluster: one private network namespace for the whole run (only its loopback,
 brought up; nothing reaches outside it), with its own PID namespace, so that
@@ -311,6 +312,24 @@ def cmd_kill_host(args):
     return 1 if left else 0
 
 
+def cmd_freeze_host(args):
+    """SIGSTOP every process of one simulated host: a frozen node (its sockets stay
+    open, so the launcher does not notice; only the job's own watchdog can)."""
+    record = Path(args.state) / f"{args.host}.uts"
+    if not record.exists():
+        raise SystemExit(f"simcluster: no host {args.host} has started in {args.state}")
+    pids = host_processes(record.read_text().strip())
+    if not pids:
+        raise SystemExit(f"simcluster: host {args.host} has no processes left")
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    print(f"simcluster: froze host {args.host}: {len(pids)} process(es)", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------------
 
 def main(argv=None):
@@ -331,6 +350,10 @@ def main(argv=None):
     kill = commands.add_parser("kill-host", help="SIGKILL every process of a simulated host")
     kill.add_argument("--state", required=True)
     kill.add_argument("host")
+    freeze = commands.add_parser("freeze-host", help="SIGSTOP every process of a simulated "
+                                                     "host (kill-host ends it)")
+    freeze.add_argument("--state", required=True)
+    freeze.add_argument("host")
     inside = commands.add_parser("_inside")  # internal: PID 1 of the cluster
     inside.add_argument("--flavor", required=True)
     inside.add_argument("--mpiexec", required=True)
@@ -341,7 +364,7 @@ def main(argv=None):
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
     return {"run": cmd_run, "check": cmd_check, "kill-host": cmd_kill_host,
-            "_inside": cmd_inside}[args.what](args)
+            "freeze-host": cmd_freeze_host, "_inside": cmd_inside}[args.what](args)
 
 
 if __name__ == "__main__":

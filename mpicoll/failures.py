@@ -116,6 +116,10 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "
                          f"{world.Get_size()}{where}; aborting the job\n{text}")
+        flight = _settings.current()
+        if flight.flight_records:
+            sys.stderr.write(f"mpicoll: the ranks' last collectives: {flight.flight_dir}/"
+                             f"rank*.json (python -m mpicoll flight {flight.flight_dir})\n")
     sys.stderr.flush()
     extension.abort_job(1)  # MPI_Abort, once the launcher has had time to forward the report
 

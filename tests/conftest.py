@@ -23,10 +23,15 @@ import signal
 import subprocess
 import sys
 import time
+import tempfile
 import zlib
 from pathlib import Path
 
-import jax
+# Jobs that stall or abort write their flight records (MPICOLL_FLIGHT_DIR,
+# default ./mpicoll-flight): into a temporary directory, not the checkout.
+os.environ.setdefault("MPICOLL_FLIGHT_DIR", tempfile.mkdtemp(prefix="mpicoll-flight-"))
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # the 64-bit dtypes need it
 

@@ -184,21 +184,58 @@ def test_demo_across_hosts():
     assert job.out.count("matches numpy: True") == 3, summary(job)
 
 
+def _start_loop(ranks_per_host, state, env=None):
+    """The job looping over allreduces, once every rank has said `ready RANK PID HOST`:
+    (job, its output lines so far, {rank: (pid, host)})."""
+    job = simcluster(ranks_per_host, [sys.executable, "-u", PROGRAM, "loop"], state=state,
+                     wait=False, env=env)
+    ready, lines = {}, []
+    deadline = time.monotonic() + JOB_TIMEOUT / 2
+    while len(ready) < sum(ranks_per_host) and time.monotonic() < deadline and job.poll() is None:
+        line = job.stdout.readline()
+        lines.append(line)
+        if line.startswith("ready "):
+            _, rank, pid, host = line.split()
+            ready[int(rank)] = (int(pid), host)
+    if len(ready) < sum(ranks_per_host):
+        _kill_job(job)
+        pytest.fail(f"only ranks {sorted(ready)} started: {''.join(lines)}")
+    return job, lines, ready
+
+
+def test_a_frozen_host_is_named_by_the_stall_report():
+    """Every process of simhost1 stopped (a frozen node: its sockets stay open, so
+    the launcher does not notice): the stall report names its ranks with their host
+    and the timeout ends the job.  (A killed host is noticed by the launcher, which
+    ends the job within a second: test_killed_host_ends_the_job.)"""
+    with tempfile.TemporaryDirectory() as state:
+        job, lines, ready = _start_loop((1, 2, 1), state, env={
+            "MPICOLL_STALL_REPORT": "1", "MPICOLL_TIMEOUT": "6"})
+        time.sleep(1)
+        freeze = subprocess.run([sys.executable, SIMCLUSTER, "freeze-host", "--state", state,
+                                 "simhost1"], capture_output=True, text=True, timeout=60)
+        assert freeze.returncode == 0, freeze.stdout + freeze.stderr
+        # The report after 1 s (and 3 s for answers), the timeout after 6 s; then
+        # the frozen host is killed, since MPI_Abort cannot reach its processes.
+        time.sleep(14)
+        subprocess.run([sys.executable, SIMCLUSTER, "kill-host", "--state", state, "simhost1"],
+                       capture_output=True, text=True, timeout=60)
+        finish(job)
+        job.out = "".join(lines) + job.out
+    frozen = sorted(rank for rank, (_, host) in ready.items() if host == "simhost1")
+    assert frozen == [1, 2], ready
+    assert job.returncode != 0, summary(job)
+    text = job.out + job.err
+    assert re.search(r"mpicoll: stall report from rank 0 \(simhost0\)", text), summary(job)
+    for rank in frozen:
+        assert f"rank {rank} (simhost1): no answer within 3 s" in text, summary(job)
+    assert "MPICOLL_TIMEOUT=6); aborting the job" in text, summary(job)
+
+
 def test_killed_host_ends_the_job():
     """Every process of simhost1 SIGKILLed while the job loops over allreduces."""
     with tempfile.TemporaryDirectory() as state:
-        job = simcluster((2, 2, 2), [sys.executable, "-u", PROGRAM, "loop"], state=state,
-                         wait=False)
-        ready, lines = set(), []
-        deadline = time.monotonic() + JOB_TIMEOUT / 2
-        while len(ready) < 6 and time.monotonic() < deadline and job.poll() is None:
-            line = job.stdout.readline()  # rank lines: `ready RANK PID HOST`
-            lines.append(line)
-            if line.startswith("ready "):
-                ready.add(int(line.split()[1]))
-        if len(ready) < 6:
-            _kill_job(job)
-            pytest.fail(f"only ranks {sorted(ready)} started: {''.join(lines)}")
+        job, lines, _ = _start_loop((2, 2, 2), state)
         time.sleep(1)  # well inside the loop
         killed_at = time.monotonic()
         kill = subprocess.run([sys.executable, SIMCLUSTER, "kill-host", "--state", state,

@@ -37,6 +37,8 @@ def test_defaults_when_nothing_is_set():
     ("MPICOLL_GPU_CHUNK_BYTES", "0", "gpu_chunk_bytes", 0),
     ("MPICOLL_LOCAL_COMBINE_BYTES", "4096", "local_combine_bytes", 4096),
     ("MPICOLL_SPLIT_ALLREDUCE_BYTES", " 65536 ", "split_allreduce_bytes", 65536),
+    ("MPICOLL_FLIGHT_RECORDS", "0", "flight_records", 0),
+    ("MPICOLL_FLIGHT_DIR", "/tmp/flight-here", "flight_dir", "/tmp/flight-here"),
 ])
 def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
     settings, sources = _settings.from_environment({variable: raw})
@@ -54,6 +56,12 @@ def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
     ("MPICOLL_GPU_TRANSPORT", "nvlink", "MPICOLL_GPU_TRANSPORT must be one of"),
     ("MPICOLL_GPU_CHUNK_BYTES", "4MiB", "MPICOLL_GPU_CHUNK_BYTES='4MiB' must be a non-negative"),
     ("MPICOLL_LOCAL_COMBINE_BYTES", "-5", "MPICOLL_LOCAL_COMBINE_BYTES='-5' must be"),
+    ("MPICOLL_FLIGHT_RECORDS", "-1", "MPICOLL_FLIGHT_RECORDS='-1' must be a non-negative"),
+    ("MPICOLL_FLIGHT_RECORDS", "many", "MPICOLL_FLIGHT_RECORDS='many' must be a non-negative"),
+    ("MPICOLL_TRACE", "/proc/mpicoll-trace", "MPICOLL_TRACE='/proc/mpicoll-trace': mpicoll "
+                                             "cannot write there"),
+    ("MPICOLL_FLIGHT_DIR", "/no/such/parent/flight", "MPICOLL_FLIGHT_DIR='/no/such/parent/"
+                                                     "flight': mpicoll cannot write there"),
 ])
 def test_a_bad_value_names_its_variable(variable, raw, message):
     with pytest.raises(ValueError, match=message):
@@ -67,6 +75,24 @@ def test_a_bad_variable_stops_the_import():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be a non-negative integer" in run.stderr
+
+
+def test_the_trace_directory_is_made_at_import_and_given_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings, _ = _settings.from_environment({"MPICOLL_TRACE": "timeline/run1"})
+    assert settings.trace == str(tmp_path / "timeline" / "run1")
+    assert (tmp_path / "timeline" / "run1").is_dir()
+    assert _settings.from_environment({})[0].trace == ""
+
+
+@serial_only
+def test_an_unwritable_trace_directory_stops_the_import_on_every_rank():
+    from conftest import run_mpiexec
+    result = run_mpiexec(2, [sys.executable, "-c", "import mpicoll"], timeout=120,
+                         env={"MPICOLL_TRACE": "/proc/mpicoll-trace"})
+    assert result.returncode != 0
+    assert result.output.count("MPICOLL_TRACE='/proc/mpicoll-trace': mpicoll cannot write "
+                               "there") == 2, result.summary()
 
 
 def test_override_changes_the_thresholds_inside_only():
