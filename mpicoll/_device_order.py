@@ -164,12 +164,38 @@ DEVICE_ORDER_AVAILABLE = not _native.SERIALIZED and _device_order.install()
 
 
 def set_dispatch(mode):
-    """How programs traced after this call are ordered across dispatches; returns the previous mode.
+    """Choose how programs traced from now on are ordered after the previous ones.
 
-    "device-order" (the default): programs on one CPU device carry no runtime
-    token and are ordered by the device's execution queue.  "tokens": JAX's
-    runtime tokens, as every program on GPU and the serialized mode use.  A
-    compiled program keeps the mode it was lowered with.
+    Every rank issues its MPI calls in program order in both modes; they differ
+    in how a program waits for the one before it, and so in what a dispatch
+    costs (docs/design.md, "Dispatch").
+
+    Args:
+        mode: "device-order" (the default where available; MPICOLL_DISPATCH
+            sets the initial mode): a program on one CPU device carries no
+            runtime token, JAX dispatches it on its C++ fast path and the
+            device's execution queue orders it; programs over several local
+            devices are fenced.  "tokens": every program with a collective
+            takes and returns JAX's runtime token (JAX's Python dispatch path,
+            about 180 us per call), as GPU programs and the serialized thread
+            mode always do.
+    Returns:
+        The previous mode, "device-order" or "tokens".
+    Raises:
+        ValueError: for another mode, or for "device-order" where it is not
+            available (at MPI_THREAD_SERIALIZED, or with a JAX whose internals
+            mpicoll does not recognize).
+    Note:
+        A compiled program keeps the mode it was lowered with.  An MPI error
+        raised while a device-order program is dispatched comes as ValueError
+        (JAX's fast path converts it) rather than jax.errors.JaxRuntimeError,
+        with the same message.
+
+    Example::
+
+        previous = mpicoll.set_dispatch("tokens")   # for the programs traced from here
+        step = jax.jit(train_step)
+        mpicoll.set_dispatch(previous)
     """
     if mode not in DISPATCH_MODES:
         raise ValueError(f"mpicoll.set_dispatch: mode must be one of {DISPATCH_MODES}, "
@@ -187,7 +213,15 @@ def set_dispatch(mode):
 
 
 def dispatch_mode():
-    """The current dispatch mode: "device-order" or "tokens"."""
+    """The current dispatch mode, for programs traced from now on (see set_dispatch).
+
+    Returns:
+        "device-order" (the default on CPU where JAX allows it) or "tokens".
+
+    Example::
+
+        print(mpicoll.dispatch_mode())       # "device-order"; python -m mpicoll info says it too
+    """
     return "device-order" if _device_order.active else "tokens"
 
 

@@ -94,7 +94,30 @@ extension.set_serialized_mpi(SERIALIZED)
 
 
 def thread_mode():
-    """'serialized' or 'multiple': how mpicoll calls MPI in this process (see above)."""
+    """How mpicoll calls MPI in this process: "multiple" or "serialized".
+
+    It follows the thread level mpi4py initialized MPI with (docs/design.md,
+    "Thread level").  "multiple" (MPI_THREAD_MULTIPLE, mpi4py's default): any
+    number of local devices, whose threads call MPI at once under pmap and
+    shard_map.  "serialized" (MPI_THREAD_SERIALIZED, by
+    MPI4PY_RC_THREAD_LEVEL=serialized in the job's environment or
+    mpi4py.rc.thread_level = "serialized" before MPI is initialized): one
+    local device per process, no two MPI calls overlap, and each dispatch of
+    a program with collectives returns once the program has finished, so the
+    caller's own mpi4py calls are safe between mpicoll's; small messages run
+    faster with an MPI whose MULTIPLE level costs every call (MPICH).  A
+    lower level makes `import mpicoll` raise ImportError.
+
+    Returns:
+        "multiple" or "serialized", fixed for the process.
+
+    Example::
+
+        import mpi4py
+        mpi4py.rc.thread_level = "serialized"    # before the first `from mpi4py import MPI`
+        import mpicoll
+        mpicoll.thread_mode()                    # "serialized"
+    """
     return "serialized" if SERIALIZED else "multiple"
 
 # The platforms this build has handlers for: ("cpu",) or ("cpu", "cuda").

@@ -37,12 +37,35 @@ RANKS = "mpicoll.RANKS"
 def mesh(local_axis=None, devices=None):
     """A jax.sharding.Mesh whose first axis, RANKS, stands for the MPI ranks.
 
-    Locally the RANKS axis has size 1 (this process); mpicoll's collectives
-    act across it.  With local_axis (a name), a second axis spans this
-    process's devices (default: all local devices), for per-device data
-    (P((RANKS, local_axis))) and the ranks x devices collectives
-    (axis_name=local_axis).  Without it the mesh holds one device (default:
-    the first local one).
+    Inside jax.shard_map over it, in_specs=P(mpicoll.RANKS) marks this rank's
+    data and P() a value that is the same on every rank: JAX then types which
+    values vary over the ranks, so reverse-mode autodiff through mpicoll's
+    collectives is checked (docs/autodiff.md), and the jax.lax collectives over
+    RANKS (psum, all_gather, ppermute, axis_index, ...) run across the ranks on
+    mpicoll's (docs/jax-vocabulary.md).
+
+    Args:
+        local_axis: None (the default), or the name of a second axis over this
+            process's devices, for per-device data (P((mpicoll.RANKS,
+            local_axis))) and the ranks x devices collectives
+            (axis_name=local_axis).
+        devices: the devices of the mesh; default all local devices with a
+            local_axis, else the first local device.
+    Returns:
+        On every rank, a Mesh with the axis RANKS of size 1 (this process,
+        standing for every rank), and with a local_axis a second axis over the
+        devices: shape (1, number of devices).  No MPI call is made.
+    Raises:
+        ValueError: for a local_axis named like RANKS, or several devices
+            without a local_axis.
+
+    Example (2 ranks)::
+
+        from jax.sharding import PartitionSpec as P
+        mean = jax.jit(jax.shard_map(lambda x: jax.lax.pmean(x, mpicoll.RANKS),
+                                     mesh=mpicoll.mesh(), in_specs=P(mpicoll.RANKS),
+                                     out_specs=P()))
+        mean(jnp.array([rank + 1.0]))        # [1.5] on both
     """
     from jax.sharding import Mesh
     if local_axis == RANKS:
@@ -212,14 +235,33 @@ def convention_autodiff():
 
 
 def set_autodiff(mode):
-    """How reverse-mode autodiff treats collectives outside mesh(); returns the previous mode.
+    """Choose how reverse-mode autodiff treats collectives outside mpicoll.mesh().
 
-    It applies to collectives called (traced) after it, on every rank alike.
+    Inside jax.shard_map over mpicoll.mesh() JAX types which values are the same
+    on every rank and reverse mode is checked whatever the mode; outside, nothing
+    says which are, and this chooses between refusing and a convention
+    (docs/autodiff.md).  Forward mode (jvp, jacfwd) is exact in both.
 
-    "checked" (the default): transposing a collective outside shard_map over
-    mpicoll.mesh() raises TypeError, where JAX would type the ranks.
-    "convention": mpicoll's unchecked convention (docs/autodiff.md).
-    Forward mode (jvp, jacfwd) is exact either way.
+    Args:
+        mode: "checked" (the default; MPICOLL_AUTODIFF sets the initial mode):
+            transposing a collective outside shard_map over mpicoll.mesh()
+            raises TypeError.  "convention": mpicoll's unchecked convention,
+            mpi4jax's: a replicated result (allreduce, allgather, bcast) is one
+            value, and parameters used with per-rank data need mpicoll.pvary,
+            else the gradient is wrong rather than refused.
+    Returns:
+        The previous mode, "checked" or "convention".
+    Raises:
+        ValueError: for another mode.
+    Note:
+        It applies to collectives traced after it (a compiled program keeps
+        its mode).  Set it the same on every rank.
+
+    Example::
+
+        previous = mpicoll.set_autodiff("convention")
+        grads = jax.grad(global_loss)(params)    # global_loss: pvary(params) inside
+        mpicoll.set_autodiff(previous)
     """
     global _autodiff
     if mode not in AUTODIFF_MODES:
@@ -230,7 +272,16 @@ def set_autodiff(mode):
 
 
 def autodiff_mode():
-    """The current autodiff mode: "checked" or "convention"."""
+    """The current autodiff mode, for collectives traced from now on (see set_autodiff).
+
+    Returns:
+        "checked" (the default) or "convention".
+
+    Example::
+
+        if mpicoll.autodiff_mode() == "checked":
+            ...                              # differentiate inside shard_map over mpicoll.mesh()
+    """
     return _autodiff
 
 

@@ -16,41 +16,57 @@ from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 from ._validate import as_array, each_leaf
 
 
-# What every rank-block collective has in common, appended to each docstring.
-_COMMON = """
-    Common to mpicoll's collectives:
-        x: a jax or numpy array or a Python scalar, of a supported dtype (bool,
+# What every rank-block collective has in common, put into each docstring by
+# _contract ({x}, {comm}, {raises}, {rules}), so that help() and the API page show
+# the whole contract of each function, in napoleon's Google style.
+_X = """An array (jax or numpy), a Python scalar, or a pytree of them
+            (each leaf as if alone; small leaves of one dtype travel in one
+            message; the result has the tree's structure).  Dtypes: bool,
             int8-64, uint8-64, float16, bfloat16, float32, float64, complex64,
-            complex128), or a pytree of them: small leaves of one dtype travel
-            in one message; the result has the tree's structure.
-        comm: an mpi4py intracommunicator; None means MPI.COMM_WORLD.  mpicoll
-            talks on private duplicates of it, so its messages never match the
-            caller's own mpi4py calls.
-        Every rank of comm must call the same collectives in the same order, with
-        the same root, op, dtype and shape (checked across ranks the first time
-        each call site runs; a mismatch raises jax.errors.JaxRuntimeError on
-        every rank).  Works eagerly and under jax.jit, vmap, grad, pmap and
-        shard_map (README: vmap and autodiff; Inside pmap and shard_map).
-    Raises:
-        TypeError / ValueError, the same on every rank and before any MPI call,
-        for an unsupported dtype, an invalid op for the dtype, a root out of
-        range, a wrong leading axis, a communicator that is not one.
-    """
+            complex128 (64-bit ones need jax_enable_x64)."""
 
-_OPS = """
-        op: "sum", "prod", "min", "max", "land", "lor", "lxor", "band", "bor",
-            "bxor", or the mpi4py op (MPI.SUM, ...).  sum/prod: integers, floats,
-            complex; min/max: bool, integers, floats; the logical and bitwise
-            ops: bool and integers.  op="sum" is linear (JVP and transpose);
-            prod, min and max of allreduce and reduce have a JVP too (README:
-            vmap and autodiff); the other ops are not differentiable."""
+_COMM = """an mpi4py intracommunicator (COMM_WORLD, a Dup(), Split(),
+            Create_cart() ...); None (the default) means MPI.COMM_WORLD.
+            mpicoll talks on private duplicates of it, so its messages never
+            match the caller's own mpi4py calls."""
+
+_OPS = """"sum" (the default), "prod", "min", "max", "land", "lor", "lxor",
+            "band", "bor", "bxor", or the mpi4py op (MPI.SUM, ...).  sum and
+            prod: integers, floats, complex; min and max: bool, integers,
+            floats; the logical and bitwise ops: bool and integers.  "sum" is
+            linear (JVP and transpose); prod, min and max of allreduce and
+            reduce have a JVP; the other ops are not differentiable."""
+
+_RAISES = """TypeError, ValueError: the same on every rank and before any MPI
+            call, for an argument it cannot take (an unsupported dtype, an op
+            invalid for the dtype, a root out of range or traced under jit, a
+            leading axis other than comm's size, a comm that is not an
+            intracommunicator); the message names the argument and the leaf.
+        jax.errors.JaxRuntimeError: on every rank, when the ranks' calls
+            differ (compared the first time each call site runs: collective,
+            dtype, shape, op, root, communicator), and when MPI fails (naming
+            the op, the rank and the communicator)."""
+
+_RULES = """Every rank of comm must call the same collectives in the same order,
+        with the same root, op, dtype and shape.  Works eagerly (one cached
+        compiled program per shape, dtype and parameters) and under jax.jit,
+        vmap (one call for the batch), grad and jvp (docs/autodiff.md), and
+        inside pmap and shard_map over the local devices, where each device
+        talks to the same device of the other ranks (docs/devices.md)."""
+
+_NO_AXIS_NAME = """NotImplementedError: for axis_name (no global form), naming what to
+            use instead."""
 
 
 def _contract(function):
     """The docstring completed with what every collective has in common; an error
     raised inside shows the caller's frames, not mpicoll's (as JAX's own API does)."""
-    doc = function.__doc__.replace("{ops}", _OPS).replace("{{", "{").replace("}}", "}")
-    function.__doc__ = doc.rstrip() + "\n" + _COMMON
+    doc = function.__doc__
+    for field, text in (("{x}", _X), ("{comm}", _COMM), ("{ops}", _OPS),
+                        ("{raises}", _RAISES), ("{rules}", _RULES),
+                        ("{no_axis_name}", _NO_AXIS_NAME)):
+        doc = doc.replace(field, text)
+    function.__doc__ = doc.replace("{{", "{").replace("}}", "}")
     return _compat.api_boundary(function)
 
 
@@ -59,12 +75,21 @@ def bcast(x, root=0, *, comm=None, axis_name=None):
     """Root's x on every rank (MPI_Bcast).
 
     Args:
-        root: the rank whose x is sent (a static int).  Every rank passes an x
-            of the same shape and dtype; only root's values are read.
+        x: {x}
+            Every rank passes an x of the same shape and dtype; only root's
+            values are read.
+        root: the rank whose x is sent, a static int (default 0).
+        comm: {comm}
         axis_name: the local device axis of pmap/shard_map: the broadcast spans
-            ranks x local devices, and root is the participant rank * L + device.
+            ranks x local devices, and root is the participant rank * L + device
+            (L local devices).
     Returns:
-        On every rank, root's x (shape x.shape).
+        On every rank, root's x (shape and dtype of x).  Linear; its transpose
+        sums the cotangents to root.
+    Raises:
+        {raises}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
@@ -89,15 +114,25 @@ def scatter(x, root=0, *, comm=None, axis_name=None):
     """Rank r gets root's x[r] (MPI_Scatter).
 
     Args:
-        x: shape (size, *s) on every rank (size = comm's size); only root's is read.
-        root: the rank whose x is scattered (a static int).
-        axis_name: not supported (NotImplementedError naming what to use instead).
+        x: shape (size, *s) on every rank (size: comm's size); only root's
+            values are read.
+            {x}
+        root: the rank whose x is scattered, a static int (default 0).
+        comm: {comm}
+        axis_name: not supported (use alltoall(x, axis_name=...)).
     Returns:
-        On rank r, root's x[r] (shape s).
+        On rank r, root's x[r] (shape s).  Linear; its transpose gathers the
+        cotangents to root.
+    Raises:
+        {raises}
+        {no_axis_name}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
-        mpicoll.scatter(jnp.array([[10, 11], [20, 21]]), root=0)  # rank 1: [20, 21]
+        x = jnp.array([[10, 11], [20, 21]])  # read on root only
+        mpicoll.scatter(x, root=0)           # rank 0: [10, 11]; rank 1: [20, 21]
     """
     _no_global_form("scatter", axis_name, "use alltoall(x, axis_name=...)")
     return collective(_blocks.SCATTER, x, comm=comm, root=root)
@@ -107,11 +142,20 @@ def scatter(x, root=0, *, comm=None, axis_name=None):
 def reduce(x, op="sum", root=0, *, comm=None, axis_name=None):
     """The reduction of x over ranks, on root (MPI_Reduce).
 
-    Args:{ops}
-        root: the rank that receives the result (a static int).
+    Args:
+        x: {x}
+        op: {ops}
+        root: the rank that receives the result, a static int (default 0).
+        comm: {comm}
         axis_name: not supported (use allreduce(x, op, axis_name=...)).
     Returns:
-        On root, op over every rank's x (shape x.shape); zeros elsewhere.
+        On root, op over every rank's x (shape and dtype of x); zeros on the
+        other ranks.
+    Raises:
+        {raises}
+        {no_axis_name}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
@@ -125,13 +169,20 @@ def reduce(x, op="sum", root=0, *, comm=None, axis_name=None):
 def allreduce(x, op="sum", *, comm=None, axis_name=None):
     """The reduction of x over ranks, on every rank (MPI_Allreduce).
 
-    Args:{ops}
+    Args:
+        x: {x}
+        op: {ops}
+        comm: {comm}
         axis_name: the local device axis of pmap/shard_map: the reduction spans
             every device of every rank (lax.psum over ranks x devices for
-            op="sum"; the path by size: README, Inside pmap and shard_map).
+            op="sum"; its paths by size: docs/devices.md).
     Returns:
-        On every rank, op over every rank's x (shape and dtype of x).  Integer
-        sums wrap around like numpy's.
+        On every rank, op over every rank's x (shape and dtype of x; for a
+        pytree, the same tree).  Integer sums wrap around like numpy's.
+    Raises:
+        {raises}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
@@ -149,10 +200,23 @@ def gather(x, root=0, *, comm=None, axis_name=None):
     """Every rank's x, stacked by rank, on root (MPI_Gather).
 
     Args:
-        root: the rank that receives the stack (a static int).
+        x: {x}
+        root: the rank that receives the stack, a static int (default 0).
+        comm: {comm}
         axis_name: not supported (use allgather(x, axis_name=...)).
     Returns:
-        On root, shape (size, *x.shape) with row r = rank r's x; zeros elsewhere.
+        On root, shape (size, *x.shape) with row r = rank r's x; zeros of that
+        shape on the other ranks.  Linear; its transpose scatters from root.
+    Raises:
+        {raises}
+        {no_axis_name}
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        mpicoll.gather(jnp.array([rank, 10 * rank]), root=0)
+        # rank 0: [[0, 0], [1, 10]]; rank 1: [[0, 0], [0, 0]]
     """
     _no_global_form("gather", axis_name, "use allgather(x, axis_name=...)")
     return collective(_blocks.GATHER, x, comm=comm, root=root)
@@ -163,10 +227,17 @@ def allgather(x, *, comm=None, axis_name=None):
     """Every rank's x, stacked by rank, on every rank (MPI_Allgather).
 
     Args:
+        x: {x}
+        comm: {comm}
         axis_name: the local device axis: the stack of every participant's x
             (participant rank * L + device), shape (size * L, *x.shape).
     Returns:
         On every rank, shape (size, *x.shape) with row r = rank r's x.
+        Linear; its transpose is each rank's own row of the cotangent.
+    Raises:
+        {raises}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
@@ -182,11 +253,18 @@ def alltoall(x, *, comm=None, axis_name=None):
     """Every rank sends x[j] to rank j (MPI_Alltoall).
 
     Args:
-        x: shape (size, *s).
+        x: shape (size, *s) (size: comm's size).
+            {x}
+        comm: {comm}
         axis_name: the local device axis: x has shape (size * L, *s) and the
             exchange is among every participant.
     Returns:
-        On rank r, shape x.shape with row j = rank j's x[r].
+        On rank r, shape x.shape with row j = rank j's x[r].  Linear; its
+        transpose is the alltoall of the cotangents.
+    Raises:
+        {raises}
+    Note:
+        {rules}
 
     Example (2 ranks)::
 
@@ -201,13 +279,29 @@ def alltoall(x, *, comm=None, axis_name=None):
 def reduce_scatter(x, op="sum", *, comm=None, axis_name=None):
     """Rank r gets the reduction over ranks of x[r] (MPI_Reduce_scatter_block).
 
+    From blocks of 256 KiB mpicoll runs its own pairwise exchange, with MPI's
+    operators (docs/performance.md).
+
     Args:
-        x: shape (size, *s).{ops}
+        x: shape (size, *s) (size: comm's size).
+            {x}
+        op: {ops}
+        comm: {comm}
         axis_name: the local device axis: x has shape (size * L, *s) and
             participant p gets the reduction of every participant's x[p]
             (lax.psum_scatter over ranks x devices for op="sum").
     Returns:
-        On rank r, op over every rank's x[r] (shape s).
+        On rank r, op over every rank's x[r] (shape s).  For "sum" it is
+        linear, and its transpose is the allgather of the cotangents.
+    Raises:
+        {raises}
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        x = jnp.array([[1.0, 2.0], [3.0, 4.0]]) * (rank + 1)
+        mpicoll.reduce_scatter(x)            # rank 0: [3., 6.]; rank 1: [9., 12.]
     """
     if axis_name is not None:
         return _ranks_devices.reduce_scatter(x, op, comm, axis_name)
@@ -218,10 +312,23 @@ def reduce_scatter(x, op="sum", *, comm=None, axis_name=None):
 def scan(x, op="sum", *, comm=None, axis_name=None):
     """Inclusive prefix reduction in rank order (MPI_Scan).
 
-    Args:{ops}
-        axis_name: not supported (use allgather(x, axis_name=...) and a local cumsum).
+    Args:
+        x: {x}
+        op: {ops}
+        comm: {comm}
+        axis_name: not supported (use allgather(x, axis_name=...) and a local
+            cumsum).
     Returns:
-        On rank r, op over the x of ranks 0..r (shape x.shape).
+        On rank r, op over the x of ranks 0..r (shape and dtype of x).
+    Raises:
+        {raises}
+        {no_axis_name}
+    Note:
+        {rules}
+
+    Example (3 ranks)::
+
+        mpicoll.scan(jnp.array(rank + 1))    # rank 0: 1; rank 1: 3; rank 2: 6
     """
     _no_global_form("scan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
     return collective(_blocks.SCAN, x, comm=comm, op=op)
@@ -231,11 +338,24 @@ def scan(x, op="sum", *, comm=None, axis_name=None):
 def exscan(x, op="sum", *, comm=None, axis_name=None):
     """Exclusive prefix reduction in rank order (MPI_Exscan).
 
-    Args:{ops}
-        axis_name: not supported (use allgather(x, axis_name=...) and a local cumsum).
+    Args:
+        x: {x}
+        op: {ops}
+        comm: {comm}
+        axis_name: not supported (use allgather(x, axis_name=...) and a local
+            cumsum).
     Returns:
-        On rank r > 0, op over the x of ranks 0..r-1; on rank 0, zeros (where MPI
-        leaves the result undefined).  Shape x.shape.
+        On rank r > 0, op over the x of ranks 0..r-1; on rank 0, zeros (where
+        MPI leaves the result undefined).  Shape and dtype of x.
+    Raises:
+        {raises}
+        {no_axis_name}
+    Note:
+        {rules}
+
+    Example (3 ranks)::
+
+        mpicoll.exscan(jnp.array(rank + 1))  # rank 0: 0; rank 1: 1; rank 2: 3
     """
     _no_global_form("exscan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
     return collective(_blocks.EXSCAN, x, comm=comm, op=op)
@@ -243,18 +363,67 @@ def exscan(x, op="sum", *, comm=None, axis_name=None):
 
 @_compat.api_boundary
 def barrier(*, comm=None):
-    """Block until every rank of comm reaches this point (MPI_Barrier), in program order."""
+    """Block until every rank of comm has reached this point (MPI_Barrier).
+
+    It keeps its place in program order like any collective, under jax.jit too,
+    where it is never dropped although it returns nothing.
+
+    Args:
+        comm: an mpi4py intracommunicator; None (the default) means
+            MPI.COMM_WORLD.
+    Returns:
+        None, on every rank, once every rank of comm has called it.
+    Raises:
+        TypeError, ValueError: before any MPI call, for a comm that is not an
+            intracommunicator.
+
+    Example::
+
+        mpicoll.barrier()                    # eagerly: every rank is here
+
+        @jax.jit
+        def step(x):
+            mpicoll.barrier()                # in program order, before the allreduce
+            return mpicoll.allreduce(x)
+    """
     info = comm_layer.resolve(comm, "barrier")
     _barrier_p.bind(comm=info.slot)
 
 
 @_compat.api_boundary
 def pvary(x, *, comm=None):
-    """x (an array or a pytree) unchanged; under autodiff its cotangent is summed over ranks.
+    """x unchanged; under reverse-mode autodiff its cotangent is summed over the ranks.
 
-    Use it on a value that is identical on every rank (parameters, a bcast or
-    allreduce result) before using it in a rank-dependent way, so that the
-    gradient collects every rank's contribution.
+    Use it on a value that is the same on every rank (parameters, a bcast or
+    allreduce result) before using it with this rank's data, so that its
+    gradient collects every rank's contribution.  Inside jax.shard_map over
+    mpicoll.mesh() JAX inserts it where a replicated value meets per-rank data;
+    there it is needed only to keep a loop carry per-rank.  Outside, in the
+    "convention" autodiff mode, replicated parameters need it (docs/autodiff.md).
+
+    Args:
+        x: an array or a pytree of arrays of a supported dtype (those of
+            allreduce).
+        comm: the ranks whose cotangents are summed: an mpi4py
+            intracommunicator; None (the default) means MPI.COMM_WORLD.
+    Returns:
+        x, of the same structure, shapes, dtypes and values, on every rank.
+        Its JVP is the tangent, marked alike; its transpose the allreduce
+        (sum) of the cotangents over comm.  Outside a transpose it makes no
+        MPI call.
+    Raises:
+        TypeError, ValueError: before any MPI call, for a leaf that is not an
+            array of a supported dtype, or a comm that is not an
+            intracommunicator.
+        ValueError: inside shard_map over mpicoll.mesh(), for a value that
+            already varies over the ranks (a per-rank value).
+
+    Example (the "convention" autodiff mode)::
+
+        def global_loss(params):             # params: the same on every rank
+            local = loss(mpicoll.pvary(params), x_local, y_local)
+            return mpicoll.allreduce(local) / size
+        grads = jax.grad(global_loss)(params)    # the same on every rank
     """
     info = comm_layer.resolve(comm, "pvary")
     leaves, treedef = jax.tree.flatten(x)

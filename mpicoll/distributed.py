@@ -33,12 +33,30 @@ _initialized = False
 
 
 def is_initialized():
-    """Whether initialize() has run in this process."""
+    """Whether mpicoll.distributed.initialize() has run in this process.
+
+    Returns:
+        True after initialize() returned, else False (also when JAX's runtime
+        was brought up by jax.distributed.initialize directly).
+
+    Example::
+
+        if not mpicoll.distributed.is_initialized():
+            mpicoll.distributed.initialize()
+    """
     return _initialized
 
 
 def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax_arguments):
     """jax.distributed.initialize for every rank of MPI.COMM_WORLD, wired up over MPI.
+
+    Call it on every rank, right after the imports and before any JAX
+    computation, in place of jax.distributed.initialize().  Rank 0 picks the
+    coordinator's address and a free port and broadcasts them over MPI; the
+    process id is the rank and the number of processes COMM_WORLD's size, so
+    it works under any launcher MPI runs under.  At exit
+    jax.distributed.shutdown() runs after the pending work and before MPI is
+    finalized.
 
     Args:
         coordinator_host: an address of rank 0's host that every rank reaches;
@@ -50,11 +68,30 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
             on a node whose every GPU is visible to every rank).
         jax_arguments: passed to jax.distributed.initialize (for example
             initialization_timeout, shutdown_timeout_seconds).
+    Returns:
+        None.  Afterwards JAX's multi-process API works on every rank
+        (jax.devices() lists every process's devices, global arrays,
+        multihost_utils), jax.lax collectives in shard_map bodies over axes
+        that span processes run on mpicoll (docs/jax-vocabulary.md), and
+        mpicoll's own collectives work beside it as before.
     Raises:
-        RuntimeError, the same on every rank and before any MPI call, if it ran
-        before, if jax.distributed was initialized otherwise, or if JAX has
-        already started its backends (a computation ran: call it first).
-        RuntimeError on every rank if rank 0 finds no usable address.
+        RuntimeError: the same on every rank and before any MPI call, if it
+            ran before, if jax.distributed was initialized otherwise, or if
+            JAX has already started its backends (a computation ran: call it
+            first); and on every rank if rank 0 finds no address the other
+            nodes reach (pass coordinator_host=).
+    Note:
+        SIGTERM does not end a process whose JAX runtime is distributed (JAX
+        takes it as a preemption notice): bound jobs with `timeout -s KILL`.
+
+    Example (any number of ranks)::
+
+        import jax
+        import mpicoll.distributed
+
+        mpicoll.distributed.initialize()         # every rank, before any JAX computation
+        print(jax.process_index(), jax.device_count())   # the rank; every process's devices
+        mesh = jax.make_mesh((jax.device_count(),), ("i",))    # a global mesh
     """
     global _initialized
     if _initialized:

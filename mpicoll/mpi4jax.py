@@ -6,7 +6,7 @@ return their input unchanged, and scatter takes a block-shaped x.  Like
 mpi4jax >= 0.8 the functions return arrays, not tokens (ordering is automatic),
 and passing `token=` raises.  `comm` is an mpi4py intracommunicator, `op` an
 mpi4py `MPI.Op` (names such as "sum" work too), `status` an `MPI.Status` that
-recv/sendrecv fill in.  Everything else is mpicoll's; the README lists the
+recv/sendrecv fill in.  Everything else is mpicoll's; docs/mpi4jax.md lists the
 differences.  Its collectives follow mpicoll's autodiff convention (as
 with mpicoll.set_autodiff("convention")), as mpi4jax differentiates anywhere.
 """
@@ -34,7 +34,14 @@ def _mpi4jax_autodiff(function):
     return call
 
 
-_NOTSET = object()
+class _NotSet:
+    """The default of token=: no token given (what mpi4jax >= 0.8 expects)."""
+
+    def __repr__(self):
+        return "<no token>"
+
+
+_NOTSET = _NotSet()
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "recv", "reduce",
            "scan", "scatter", "send", "sendrecv", "has_cuda_support", "has_sycl_support"]
@@ -59,26 +66,114 @@ def _rank(comm, name):
     return comm_layer.resolve(comm, name).rank
 
 
+# What the functions have in common, put into each docstring by _contract.
+_COMM = """an mpi4py intracommunicator; None (the default) means
+            MPI.COMM_WORLD (mpi4jax 0.9 takes a Clone() of it; mpicoll talks on
+            private duplicates, the same isolation from your own mpi4py calls)."""
+
+_TOKEN = """not accepted: as in mpi4jax >= 0.8, the calls are ordered
+            automatically (program order, on every rank)."""
+
+_OP = """an mpi4py MPI.Op (MPI.SUM, MPI.MAX, ...) or its name ("sum");
+            the ops and dtypes of mpicoll.allreduce."""
+
+_RAISES = """RuntimeError: for token= (pre-0.8 code), saying how to write the
+            call without it.
+        TypeError, ValueError: as mpicoll.{name} raises them: the same on
+            every rank and before any MPI call, for an unsupported dtype, an
+            op invalid for it, a root out of range, or a comm that is not an
+            intracommunicator."""
+
+_RAISES_PEER = """RuntimeError: for token= (pre-0.8 code), saying how to write the
+            call without it.
+        TypeError, ValueError: as mpicoll.{name} raises them, on this rank
+            alone (a message has two ranks) and before any MPI call, for an
+            unsupported dtype, a rank or tag out of range, or a comm that is
+            not an intracommunicator."""
+
+
+def _contract(function):
+    name = function.__name__
+    doc = function.__doc__
+    for field, text in (("{comm}", _COMM), ("{token}", _TOKEN), ("{op}", _OP),
+                        ("{raises}", _RAISES), ("{raises_peer}", _RAISES_PEER)):
+        doc = doc.replace(field, text)
+    function.__doc__ = doc.replace("{name}", name)
+    return function
+
+
 def has_cuda_support():
-    """True if this mpicoll build has CUDA handlers (GPU arrays work)."""
+    """Whether this mpicoll build has CUDA handlers, so that GPU arrays work.
+
+    Returns:
+        True for a build with CUDA handlers (MPICOLL_CUDA, docs/install.md),
+        else False.  `python -m mpicoll info` shows the platforms and the GPU
+        transport in use.
+
+    Example::
+
+        if not mpi4jax.has_cuda_support():
+            x = jax.device_put(x, jax.devices("cpu")[0])   # keep the data on the host
+    """
     return "cuda" in _native.PLATFORMS
 
 
 def has_sycl_support():
-    """False: mpicoll has no SYCL (Intel GPU) handlers."""
+    """Whether SYCL (Intel GPU) arrays work: never, in mpicoll.
+
+    Returns:
+        False (mpicoll has no SYCL handlers).
+
+    Example::
+
+        mpi4jax.has_sycl_support()           # False
+    """
     return False
 
 
+@_contract
 @_mpi4jax_autodiff
 def allreduce(x, op, *, comm=None, token=_NOTSET):
-    """op over every rank's x, on every rank."""
+    """op over every rank's x, on every rank (MPI_Allreduce).
+
+    Args:
+        x: an array (or, unlike mpi4jax, a pytree of arrays).
+        op: {op}
+        comm: {comm}
+        token: {token}
+    Returns:
+        On every rank, op over every rank's x (shape and dtype of x).  With
+        MPI.SUM it is differentiable anywhere, as in mpi4jax: its transpose
+        passes the cotangent through (mpicoll's "convention" autodiff mode).
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.allreduce(jnp.array([rank + 1.0]), op=MPI.SUM)  # [3.] on both
+    """
     _no_token("allreduce", token)
     return api.allreduce(x, op, comm=comm)
 
 
+@_contract
 @_mpi4jax_autodiff
 def allgather(x, *, comm=None, token=_NOTSET):
-    """(size, *x.shape): every rank's x, by rank."""
+    """Every rank's x, stacked by rank, on every rank (MPI_Allgather).
+
+    Args:
+        x: an array, the same shape and dtype on every rank.
+        comm: {comm}
+        token: {token}
+    Returns:
+        On every rank, shape (size, *x.shape) with row r = rank r's x.
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.allgather(jnp.array(rank))   # [0, 1] on both
+    """
     _no_token("allgather", token)
     return api.allgather(x, comm=comm)
 
@@ -95,46 +190,150 @@ def _leading_axis_is_size(x, comm, name, what):
     return x
 
 
+@_contract
 @_mpi4jax_autodiff
 def alltoall(x, *, comm=None, token=_NOTSET):
-    """x: (size, *s); out[j] = x[rank] of rank j."""
+    """Every rank sends x[j] to rank j (MPI_Alltoall).
+
+    Args:
+        x: shape (size, *s) (size: comm's size).
+        comm: {comm}
+        token: {token}
+    Returns:
+        On rank r, shape x.shape with row j = rank j's x[r].
+    Raises:
+        {raises}
+        ValueError: on this rank alone (mpi4jax's own check and message),
+            when x's leading axis is not comm's size.
+
+    Example (2 ranks)::
+
+        mpi4jax.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
+    """
     _no_token("alltoall", token)
     x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
     return api.alltoall(x, comm=comm)
 
 
+@_contract
 def barrier(*, comm=None, token=_NOTSET):
-    """Wait for every rank (in program order)."""
+    """Block until every rank of comm has reached this point (MPI_Barrier), in program order.
+
+    Args:
+        comm: {comm}
+        token: {token}
+    Returns:
+        None (mpi4jax < 0.8 returned a token).
+    Raises:
+        {raises}
+
+    Example::
+
+        mpi4jax.barrier()
+    """
     _no_token("barrier", token)
     api.barrier(comm=comm)
 
 
+@_contract
 @_mpi4jax_autodiff
 def bcast(x, root, *, comm=None, token=_NOTSET):
-    """root's x on every rank (x sets the shape and dtype elsewhere)."""
+    """Root's x on every rank (MPI_Bcast).
+
+    Args:
+        x: an array; on the other ranks only its shape and dtype are used.
+        root: the rank whose x is sent (a static int).
+        comm: {comm}
+        token: {token}
+    Returns:
+        On every rank, root's x.
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.bcast(jnp.full(3, rank), root=1)   # [1, 1, 1] on both
+    """
     _no_token("bcast", token)
     return api.bcast(x, root, comm=comm)
 
 
+@_contract
 @_mpi4jax_autodiff
 def gather(x, root, *, comm=None, token=_NOTSET):
-    """On root (size, *x.shape), every rank's x; elsewhere x unchanged."""
+    """Every rank's x, stacked by rank, on root (MPI_Gather).
+
+    Args:
+        x: an array, the same shape and dtype on every rank.
+        root: the rank that receives the stack (a static int).
+        comm: {comm}
+        token: {token}
+    Returns:
+        On root, shape (size, *x.shape) with row r = rank r's x; on the other
+        ranks x unchanged (mpi4jax's convention; mpicoll.gather gives zeros
+        of the stack's shape there).
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.gather(jnp.array([rank]), root=0)  # rank 0: [[0], [1]]; rank 1: [1]
+    """
     _no_token("gather", token)
     gathered = api.gather(x, root, comm=comm)
     return gathered if _rank(comm, "gather") == root else x
 
 
+@_contract
 @_mpi4jax_autodiff
 def reduce(x, op, root, *, comm=None, token=_NOTSET):
-    """On root op over every rank's x; elsewhere x unchanged."""
+    """op over every rank's x, on root (MPI_Reduce).
+
+    Args:
+        x: an array, the same shape and dtype on every rank.
+        op: {op}
+        root: the rank that receives the result (a static int).
+        comm: {comm}
+        token: {token}
+    Returns:
+        On root, op over every rank's x; on the other ranks x unchanged
+        (mpi4jax's convention; mpicoll.reduce gives zeros there).
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.reduce(jnp.array([rank + 1.0]), op=MPI.SUM, root=0)  # rank 0: [3.]; rank 1: [2.]
+    """
     _no_token("reduce", token)
     reduced = api.reduce(x, op, root, comm=comm)
     return reduced if _rank(comm, "reduce") == root else x
 
 
+@_contract
 @_mpi4jax_autodiff
 def scatter(x, root, *, comm=None, token=_NOTSET):
-    """Rank r gets root's x[r]; x is (size, *s) on root and s-shaped elsewhere."""
+    """Rank r gets root's x[r] (MPI_Scatter).
+
+    Args:
+        x: on root shape (size, *s); on the other ranks shape s (its values
+            are not read), as in mpi4jax.  mpicoll broadcasts it to (size, *s)
+            there: one extra buffer of size blocks on non-root ranks.
+        root: the rank whose x is scattered (a static int).
+        comm: {comm}
+        token: {token}
+    Returns:
+        On rank r, root's x[r] (shape s).
+    Raises:
+        {raises}
+        ValueError: on root alone (mpi4jax's own check and message), when
+            x's leading axis is not comm's size.
+
+    Example (2 ranks)::
+
+        x = jnp.array([[10, 11], [20, 21]]) if rank == 0 else jnp.zeros(2, int)
+        mpi4jax.scatter(x, root=0)           # rank 0: [10, 11]; rank 1: [20, 21]
+    """
     _no_token("scatter", token)
     info = comm_layer.resolve(comm, "scatter")
     if info.rank == root:
@@ -146,16 +345,52 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
     return api.scatter(x, root, comm=comm)
 
 
+@_contract
 @_mpi4jax_autodiff
 def scan(x, op, *, comm=None, token=_NOTSET):
-    """Rank r gets op over the x of ranks 0..r."""
+    """Inclusive prefix reduction in rank order (MPI_Scan).
+
+    Args:
+        x: an array, the same shape and dtype on every rank.
+        op: {op}
+        comm: {comm}
+        token: {token}
+    Returns:
+        On rank r, op over the x of ranks 0..r.
+    Raises:
+        {raises}
+
+    Example (2 ranks)::
+
+        mpi4jax.scan(jnp.array(rank + 1), op=MPI.SUM)   # rank 0: 1; rank 1: 3
+    """
     _no_token("scan", token)
     return api.scan(x, op, comm=comm)
 
 
+@_contract
 @_mpi4jax_autodiff
 def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
-    """Send x to dest."""
+    """Send x to rank dest (MPI_Send), in program order.
+
+    Args:
+        x: an array.
+        dest: the receiving rank (a static int), or MPI.PROC_NULL.
+        tag: the message tag, a static int >= 0 (default 0).
+        comm: {comm}
+        token: {token}
+    Returns:
+        None (mpi4jax < 0.8 returned a token).
+    Raises:
+        {raises_peer}
+
+    Example (2 ranks)::
+
+        if rank == 0:
+            mpi4jax.send(jnp.arange(3.0), dest=1)
+        else:
+            x = mpi4jax.recv(jnp.zeros(3), source=0)   # [0., 1., 2.]
+    """
     _no_token("send", token)
     p2p.send(x, dest, tag, comm=comm)
 
@@ -175,9 +410,33 @@ def _fill_status(status, dtype, count, source, tag):
         fill(source, tag)
 
 
+@_contract
 @_mpi4jax_autodiff
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=_NOTSET):
-    """A new array shaped like x with the message from source (x is not read)."""
+    """Receive a message shaped like x from rank source (MPI_Recv).
+
+    Args:
+        x: an array giving the message's shape and dtype (not read).
+        source: the sending rank (a static int), MPI.ANY_SOURCE (the
+            default) or MPI.PROC_NULL.
+        tag: the message tag (a static int), or MPI.ANY_TAG (the default).
+        comm: {comm}
+        status: an MPI.Status to fill with the message's source and tag (and
+            element count, where mpi4py knows the dtype); under jax.jit it is
+            filled when the result is ready.
+        token: {token}
+    Returns:
+        A new array of x's shape and dtype holding the message (zeros from
+        MPI.PROC_NULL, where mpi4jax leaves the buffer as it is).
+    Raises:
+        {raises_peer}
+
+    Example (2 ranks)::
+
+        status = MPI.Status()
+        if rank == 1:
+            x = mpi4jax.recv(jnp.zeros(3), source=0, status=status)   # status.Get_source() == 0
+    """
     _no_token("recv", token)
     x = _validate.as_array(x, "recv")
     if status is None:
@@ -187,10 +446,36 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
     return out
 
 
+@_contract
 @_mpi4jax_autodiff
 def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, comm=None,
              status=None, token=_NOTSET):
-    """Send sendbuf to dest and receive an array shaped like recvbuf from source."""
+    """Send sendbuf to dest and receive from source in one call (MPI_Sendrecv).
+
+    Args:
+        sendbuf: the array sent.
+        recvbuf: an array giving the received shape (not read); it must have
+            sendbuf's dtype (mpi4jax allows another).
+        source: the rank received from (a static int), MPI.ANY_SOURCE or
+            MPI.PROC_NULL.
+        dest: the rank sent to (a static int) or MPI.PROC_NULL.
+        sendtag: the tag sent, a static int >= 0 (default 0).
+        recvtag: the tag received, or MPI.ANY_TAG (the default).
+        comm: {comm}
+        status: an MPI.Status to fill with the received message's source and
+            tag, as for recv.
+        token: {token}
+    Returns:
+        A new array of recvbuf's shape holding the message.  Differentiable
+        anywhere, as in mpi4jax (its transpose is the reverse sendrecv), and
+        in forward mode too, where mpi4jax raises.
+    Raises:
+        {raises_peer}
+
+    Example (a ring on every rank)::
+
+        left = mpi4jax.sendrecv(x, x, source=(rank - 1) % size, dest=(rank + 1) % size)
+    """
     _no_token("sendrecv", token)
     recvbuf = _validate.as_array(recvbuf, "sendrecv")
     result = p2p.sendrecv(sendbuf, source, dest, sendtag, recvtag, comm=comm, recv_like=recvbuf,

@@ -209,8 +209,8 @@ def send(x, dest, tag=0, *, comm=None):
         sendrecv is.
     Raises:
         TypeError, ValueError: on this rank, before any MPI call, for an
-        unsupported dtype, a dest or tag out of range, or a communicator that
-        is not one (point-to-point checks are not compared across ranks).
+            unsupported dtype, a dest or tag out of range, or a communicator that
+            is not one (point-to-point checks are not compared across ranks).
 
     Example (2 ranks)::
 
@@ -241,8 +241,8 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
         MPI's truncation error.  Not differentiable.
     Raises:
         TypeError, ValueError: on this rank, before any MPI call, for a
-        template without shape and dtype, an unsupported dtype, a source or
-        tag out of range, or a communicator that is not one.
+            template without shape and dtype, an unsupported dtype, a source or
+            tag out of range, or a communicator that is not one.
 
     Example (2 ranks)::
 
@@ -264,8 +264,10 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
     Args:
         x: one array (not a pytree) of a supported dtype, or a Python scalar.
         source: the rank received from (a static int), ANY_SOURCE or
-            PROC_NULL; dest: the rank sent to (a static int) or PROC_NULL.
-        sendtag: the tag sent; recvtag: the tag received (or ANY_TAG).
+            PROC_NULL.
+        dest: the rank sent to (a static int) or PROC_NULL.
+        sendtag: the tag sent, a static int >= 0 (default 0).
+        recvtag: the tag received, a static int, or ANY_TAG (the default).
         comm: an mpi4py intracommunicator; None means MPI.COMM_WORLD.
         recv_like: an array or jax.ShapeDtypeStruct of x's dtype giving the
             received shape (default: x's).
@@ -276,8 +278,8 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
         the cotangent back the other way; it works under jit and vmap.
     Raises:
         TypeError, ValueError: on this rank, before any MPI call, for an
-        unsupported dtype, recv_like of another dtype, a rank or tag out of
-        range, or a communicator that is not one.
+            unsupported dtype, recv_like of another dtype, a rank or tag out of
+            range, or a communicator that is not one.
 
     Example (a ring on every rank)::
 

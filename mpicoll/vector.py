@@ -152,44 +152,169 @@ ALLTOALLV = _spec("alltoallv", lambda p: sum(p["ffi_args"][1 + p["size"]:]), _sw
                   _check_alltoallv)
 
 
-@_compat.api_boundary
+# What the four have in common, put into each docstring by _contract.
+_X_ROWS = """One array (not a pytree) of a supported dtype (those of
+            allreduce: bool, int8-64, uint8-64, float16, bfloat16, float32,
+            float64, complex64, complex128), with a leading axis of rows; the
+            rest of the shape, s, and the dtype are the same on every rank."""
+
+_COMM = """an mpi4py intracommunicator; None (the default) means
+            MPI.COMM_WORLD."""
+
+_RAISES = """TypeError, ValueError: the same on every rank and before any MPI
+            call, for counts that are not one static int >= 0 per rank of
+            comm (adding up to at most 2**31 - 1), a root out of range, a
+            pytree, a 0-d x, an unsupported dtype, or a comm that is not an
+            intracommunicator.
+        jax.errors.JaxRuntimeError: on every rank, when the ranks' calls
+            differ (the counts included), and when MPI fails."""
+
+_OWN_ROWS = """ValueError: when x's leading length is not {rows}: the one check
+            that depends on the rank, so only this rank finds it.  With the
+            checks across ranks on (the default, at each call site's first
+            run) every rank raises jax.errors.JaxRuntimeError naming the
+            rejection instead (this rank chains its ValueError); with them
+            off only this rank raises, and its partners' call waits (abort on
+            error, the default with several ranks, ends the job)."""
+
+_RULES = """Blocks are stored contiguously in rank order (the displacements
+        are the running sums of the counts).  Eager and under jax.jit, vmap
+        (one call for the batch) and autodiff (docs/autodiff.md); no pytrees
+        and no axis_name form.  One MPI call moves the whole buffers."""
+
+
+def _contract(function):
+    """The docstring completed with what the four have in common; errors show the
+    caller's frames (as JAX's own API does)."""
+    doc = function.__doc__
+    for field, text in (("{x}", _X_ROWS), ("{comm}", _COMM), ("{raises}", _RAISES),
+                        ("{rules}", _RULES)):
+        doc = doc.replace(field, text)
+    function.__doc__ = doc.replace("{own_rows:counts}", _OWN_ROWS.format(rows="counts[rank]")) \
+        .replace("{own_rows:send_counts}", _OWN_ROWS.format(rows="sum(send_counts)"))
+    return _compat.api_boundary(function)
+
+
+@_contract
 def gatherv(x, counts, root=0, *, comm=None):
     """Every rank's rows, in rank order, on root; zeros elsewhere (MPI_Gatherv).
 
-    counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
-    Output: (sum(counts), *s) on every rank.
+    Args:
+        x: this rank's rows, shape (counts[rank], *s).
+            {x}
+        counts: how many rows each rank sends: a static tuple of ints, one
+            per rank of comm, the same on every rank.
+        root: the rank that receives, a static int (default 0).
+        comm: {comm}
+    Returns:
+        On every rank, shape (sum(counts), *s), holding on root every rank's
+        rows, rank 0's first (rank r's x is rows sum(counts[:r]) to
+        sum(counts[:r+1]) - 1); zeros on the other ranks.  Linear; its
+        transpose is the scatterv of the cotangent from root.
+    Raises:
+        {raises}
+        {own_rows:counts}
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        x = jnp.full((rank + 1, 2), rank)           # 1 row on rank 0, 2 rows on rank 1
+        mpicoll.gatherv(x, counts=(1, 2), root=0)
+        # rank 0: [[0, 0], [1, 1], [1, 1]]; rank 1: zeros of shape (3, 2)
     """
     return bind(GATHERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
-@_compat.api_boundary
+@_contract
 def allgatherv(x, counts, *, comm=None):
     """Every rank's rows, in rank order, on every rank (MPI_Allgatherv).
 
-    counts: a static tuple, rows per rank; x on rank r has shape (counts[r], *s).
-    Output: (sum(counts), *s).
+    Args:
+        x: this rank's rows, shape (counts[rank], *s).
+            {x}
+        counts: how many rows each rank sends: a static tuple of ints, one
+            per rank of comm, the same on every rank.
+        comm: {comm}
+    Returns:
+        On every rank, shape (sum(counts), *s), holding every rank's rows,
+        rank 0's first (rank r's x is rows sum(counts[:r]) to sum(counts[:r+1]) - 1).
+        Linear; its transpose is each rank's own rows of the cotangent.
+    Raises:
+        {raises}
+        {own_rows:counts}
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        x = jnp.full((rank + 1, 2), rank)           # 1 row on rank 0, 2 rows on rank 1
+        mpicoll.allgatherv(x, counts=(1, 2))        # [[0, 0], [1, 1], [1, 1]] on both
     """
     return bind(ALLGATHERV, x, comm=comm, static=(("counts", _static(counts)),))
 
 
-@_compat.api_boundary
+@_contract
 def scatterv(x, counts, root=0, *, comm=None):
-    """Rank r gets rows [sum(counts[:r]), sum(counts[:r+1])) of root's x (MPI_Scatterv).
+    """Rank r gets rows sum(counts[:r]) to sum(counts[:r+1]) - 1 of root's x (MPI_Scatterv).
 
-    x: (sum(counts), *s) on every rank (only root's content is used).
-    Output: (counts[r], *s).
+    Args:
+        x: shape (sum(counts), *s) on every rank; only root's values are read.
+            {x}
+        counts: how many rows each rank receives: a static tuple of ints, one
+            per rank of comm, the same on every rank.
+        root: the rank whose x is scattered, a static int (default 0).
+        comm: {comm}
+    Returns:
+        On rank r, shape (counts[r], *s), holding rank r's block of root's
+        rows.
+        Linear; its transpose is the gatherv of the cotangents to root.
+    Raises:
+        {raises}
+        ValueError: the same on every rank, for an x without sum(counts) rows.
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        x = jnp.arange(3.0)                         # read on root only
+        mpicoll.scatterv(x, counts=(1, 2), root=0)  # rank 0: [0.]; rank 1: [1., 2.]
     """
     return bind(SCATTERV, x, comm=comm, root=root, static=(("counts", _static(counts)),))
 
 
-@_compat.api_boundary
+@_contract
 def alltoallv(x, send_counts, recv_counts, *, comm=None):
-    """Rank r sends send_counts[j] rows of x to rank j, in order, and receives
-    recv_counts[j] rows from rank j (MPI_Alltoallv).
+    """Rank r sends send_counts[j] rows to rank j and receives recv_counts[j] (MPI_Alltoallv).
 
-    x: (sum(send_counts), *s); output: (sum(recv_counts), *s), rows by source
-    rank.  Both tuples are this rank's own: send_counts[j] on rank r must equal
-    recv_counts[r] on rank j (check mode verifies it).
+    Args:
+        x: this rank's rows for every rank in rank order, shape
+            (sum(send_counts), *s): send_counts[0] rows for rank 0 first.
+            {x}
+        send_counts: the rows this rank sends to each rank: a static tuple of
+            ints, one per rank of comm.
+        recv_counts: the rows this rank receives from each rank, likewise.
+            Both are this rank's own: send_counts[j] on rank r must equal
+            recv_counts[r] on rank j (the checks across ranks verify it when
+            they compare the call, and every rank raises, naming the pair).
+        comm: {comm}
+    Returns:
+        On every rank, shape (sum(recv_counts), *s), holding the rows from
+        each rank, rank 0's first.  Linear; its transpose is the alltoallv of the
+        cotangents with the counts swapped.
+    Raises:
+        {raises}
+        {own_rows:send_counts}
+    Note:
+        {rules}
+
+    Example (2 ranks)::
+
+        send = (1, 2) if rank == 0 else (1, 1)      # rank 0: 1 row to itself, 2 to rank 1
+        recv = (1, 1) if rank == 0 else (2, 1)      # what the other side sends here
+        x = jnp.full((sum(send), 2), rank)
+        mpicoll.alltoallv(x, send, recv)
+        # rank 0: [[0, 0], [1, 1]]; rank 1: [[0, 0], [0, 0], [1, 1]]
     """
     return bind(ALLTOALLV, x, comm=comm, static=(
         ("send_counts", _static(send_counts)), ("recv_counts", _static(recv_counts))))
