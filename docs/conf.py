@@ -57,7 +57,6 @@ autodoc_typehints = "none"
 autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-napoleon_custom_sections = [("Common to mpicoll's collectives", "notes_style")]
 
 # No network at build time (CI and GPU nodes are offline): no intersphinx inventories.
 intersphinx_mapping = {}

@@ -79,6 +79,50 @@ def test_program_runs_at_two_ranks(source, tmp_path):
     assert job.returncode == 0, f"exit {job.returncode}\n{job.output[-4000:]}"
 
 
+# --- Docstrings --------------------------------------------------------------------
+
+# Public functions whose docstrings are still being rewritten as contracts elsewhere
+# (failures.py, comm.py); remove a name once its docstring has Returns and an example.
+_CONTRACTS_PENDING = {"mpicoll.check_mode", "mpicoll.set_check_mode", "mpicoll.clear_error",
+                      "mpicoll.set_timeout", "mpicoll.default_comm"}
+
+
+def _public_functions():
+    import mpicoll
+    import mpicoll.distributed
+    import mpicoll.mpi4jax
+
+    found = [(f"mpicoll.{name}", getattr(mpicoll, name)) for name in mpicoll.__all__]
+    found += [(f"mpicoll.mpi4jax.{name}", getattr(mpicoll.mpi4jax, name))
+              for name in mpicoll.mpi4jax.__all__]
+    found += [(f"mpicoll.distributed.{name}", getattr(mpicoll.distributed, name))
+              for name in ("initialize", "is_initialized")]
+    return [(name, obj) for name, obj in found if callable(obj)]
+
+
+def test_every_public_function_has_a_contract():
+    """What help() shows: a summary line, every argument, what it returns, an example
+    (the API page is generated from the same text; the docs extension checks that
+    napoleon reads its Returns and Raises as written)."""
+    import inspect
+
+    missing = []
+    for name, function in _public_functions():
+        if name in _CONTRACTS_PENDING:
+            continue
+        doc = inspect.getdoc(function) or ""
+        lacks = [part for part in ("Returns:", "Example") if part not in doc]
+        arguments = [p for p in inspect.signature(function).parameters
+                     if p not in ("args", "kwargs")]
+        if arguments and "Args:" not in doc:
+            lacks.append("Args:")
+        lacks += [f"argument {p}" for p in arguments if f"\n    {p}: " not in doc
+                  and not (p == "jax_arguments" and "jax_arguments:" in doc)]
+        if lacks:
+            missing.append(f"{name}: {', '.join(lacks)}")
+    assert not missing, "\n".join(missing)
+
+
 # --- The build -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@
 * A completeness check: every name in ``mpicoll.__all__`` must be documented on the
   API page (as ``mpicoll.<name>``, by autodoc or a ``py:data`` entry); a missing one is
   a warning, which ``make docs`` (``-W``) turns into a failed build.
+* Docstrings: a starred shape ("(size, *s)") escaped for reST, and each "Raises:"
+  entry checked to be one napoleon reads (a warning names the docstring otherwise).
 """
 
 import json
@@ -131,31 +133,8 @@ class GpuBenchTable(SphinxDirective):
         return [para, _table(table_header, rows)]
 
 
-_COMMON = "Common to mpicoll's collectives:"
-_FIELD = re.compile(r"^(\w+): (.*)$")
-_EXCEPTIONS = re.compile(r"^[A-Z]\w*(Error|Exception|Warning)(, [A-Z]\w*)*: ")
-
-
 def _indent(line):
     return len(line) - len(line.lstrip())
-
-
-def _blocks(lines):
-    """Split into (header line, body lines) at each unindented line ending in ':'."""
-    out, current = [], [None, []]
-    for line in lines:
-        if line and _indent(line) == 0 and line.endswith(":") and not line.endswith("::"):
-            out.append(current)
-            current = [line, []]
-        else:
-            current[1].append(line)
-    out.append(current)
-    return out
-
-
-def _dedent(body):
-    width = min((_indent(line) for line in body if line.strip()), default=0)
-    return [line[width:] for line in body]
 
 
 def _escape_stars(lines):
@@ -177,37 +156,53 @@ def _escape_stars(lines):
 
 
 def tidy_docstring(app, what, name, obj, options, lines):
-    """Make mpicoll's plain-text docstrings well-formed reStructuredText, wording untouched.
+    """Shapes such as "(size, *s)" in mpicoll's docstrings, as valid reStructuredText.
 
-    The docstrings are written for help() (Google-style "Args:/Returns:/Raises:");
-    three of their habits are not valid reST or not napoleon's format: shapes such as
-    "(size, *s)" (a '*' that opens emphasis), the "Common to mpicoll's collectives:"
-    block (a definition list running into a paragraph) and "Raises:" written as prose
-    ("TypeError / ValueError, the same on every rank ...").  This runs before napoleon
-    and turns the block into a rubric with a field list and the prose Raises into a
-    rubric with a paragraph; the text itself is left as written.
+    The docstrings are written for help() as much as for this site (Google-style
+    Args/Returns/Raises/Note sections, which napoleon reads); the one habit that
+    is not valid reST is a shape with a starred name, whose '*' would open an
+    emphasis.  This escapes such stars before napoleon runs; the text is left as
+    written.
     """
-    if not name.startswith("mpicoll"):
-        return
-    result = []
-    for header, body in _blocks(_escape_stars(list(lines))):
-        if header == _COMMON:
-            result += [".. rubric:: Common to mpicoll's collectives", ""]
-            fields, rest = [], []
-            for line in _dedent(body):
-                match = _FIELD.match(line) if not rest else None
-                if match:
-                    fields.append(f":param {match.group(1)}: {match.group(2)}")
-                elif fields and not rest and line.startswith(" "):
-                    fields.append("    " + line.strip())
-                elif line.strip():
-                    rest.append(line)
-            result += fields + [""] + rest + [""]
-        elif header == "Raises:" and not any(_EXCEPTIONS.match(line.strip()) for line in body):
-            result += [".. rubric:: Raises", ""] + _dedent(body) + [""]
-        else:
-            result += ([header] if header is not None else []) + body
-    lines[:] = result
+    if name.startswith("mpicoll"):
+        _check_sections(name, lines)
+        lines[:] = _escape_stars(list(lines))
+
+
+_RAISES_ENTRY = re.compile(r"^[A-Za-z_][\w.]*(, [A-Za-z_][\w.]*)*: \S")
+
+
+def _check_sections(name, lines):
+    """Sections napoleon reads as the docstring means them; a warning (an error under -W)
+    names the docstring otherwise.
+
+    * Each "Raises:" entry is "SomeError, OtherError: text", continued 4 spaces deeper:
+      napoleon takes every line at the entries' indentation for a new entry, so prose
+      there, or a continuation not indented, renders as bogus exception names.
+    * The first line of "Returns:" has no colon: napoleon would take what precedes it
+      for the return type.
+    """
+    section, section_indent, entry_indent, first = None, 0, None, False
+    for line in lines:
+        if not line.strip():
+            continue
+        text, indent = line.strip(), _indent(line)
+        if section is not None and indent <= section_indent:
+            section = None
+        if section is None:
+            if text in ("Raises:", "Returns:"):
+                section, section_indent, entry_indent, first = text, indent, None, True
+            continue
+        if section == "Returns:" and first and ":" in re.sub(r"`[^`]*`", "", text):
+            logger.warning(f"{name}: the first line of Returns has a colon, which napoleon "
+                           f"reads as 'type: description': {text!r}")
+        if section == "Raises:":
+            entry_indent = indent if entry_indent is None else entry_indent
+            if indent == entry_indent and not _RAISES_ENTRY.match(text):
+                logger.warning(f"{name}: a Raises entry must read 'SomeError, OtherError: "
+                               f"text' with its continuation lines indented further, got "
+                               f"{text!r}")
+        first = False
 
 
 def check_public_names(app, env):
