@@ -104,6 +104,8 @@ def _settings_report():
             value, where = now["dispatch"], "default (device-order where JAX allows it)"
         elif field.name in now and now[field.name] != value:
             value, where = now[field.name], f"set in the program ({where}: {value})"
+        elif field.name == "trace" and not value:
+            value = "off"
         elif field.name == "abort_on_error" and value is None:
             value, where = failures.abort_on_error_installed(), \
                 "default (on with more than one rank)"
@@ -113,7 +115,7 @@ def _settings_report():
 
 def _settings_lines(reports):
     """The settings of rank 0, and a problem for each setting the ranks disagree on."""
-    lines = ["settings:      (MPICOLL_* variables, read at import; README: Settings)"]
+    lines = ["settings:      (MPICOLL_* variables, read at import; docs/settings.md)"]
     width = max(len(name) for name, _, _ in reports[0]["settings"])
     for name, value, where in reports[0]["settings"]:
         lines.append(f"  {name:<{width}}  {value!s:<12} {where}")

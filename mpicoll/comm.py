@@ -58,7 +58,17 @@ _SLOT_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_release)
 
 
 def default_comm():
-    """The communicator used when comm=None: COMM_WORLD (mpicoll talks on private duplicates)."""
+    """The communicator a collective uses when comm=None.
+
+    Returns:
+        MPI.COMM_WORLD.  mpicoll never talks on it (or on any comm= given);
+        at first use it makes private duplicates, one per local device, so its
+        messages never match your own mpi4py calls.
+
+    Example::
+
+        size = mpicoll.default_comm().Get_size()
+    """
     return MPI.COMM_WORLD
 
 

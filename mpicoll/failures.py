@@ -40,10 +40,31 @@ _check_mode = "first-run"
 
 
 def set_check_mode(mode=True):
-    """Set which calls compare their fingerprint across ranks; returns the previous mode.
+    """Choose which calls compare their fingerprint across ranks; returns the previous mode.
 
-    mode: "every-call" (or True), "first-run" (the default: each call site the
-    first time it runs) or "off" (or False).  Set it the same on every rank.
+    Before a compared call runs, the ranks of its communicator compare (op, dtype,
+    shape, root, reduction, communicator) in one 16-byte allreduce; on a mismatch
+    every rank raises jax.errors.JaxRuntimeError listing what each rank called, and
+    the mismatched collective does not run (docs/troubleshooting.md).
+
+    Args:
+        mode: "first-run" (the default; MPICOLL_CHECK sets the initial mode):
+            each call site of a compiled program the first time it runs on each
+            device, then never again.  "every-call" (or True): before every call
+            (about 1.5 us more per call).  "off" (or False): never.
+    Returns:
+        The previous mode, "off", "first-run" or "every-call".
+    Raises:
+        ValueError: for another mode.
+    Note:
+        Read at run time, so switching needs no recompilation.  Set it the same
+        on every rank.
+
+    Example::
+
+        previous = mpicoll.set_check_mode("every-call")   # while chasing a hang
+        ...
+        mpicoll.set_check_mode(previous)
     """
     global _check_mode
     if mode is True or mode is False:
@@ -57,23 +78,57 @@ def set_check_mode(mode=True):
 
 
 def check_mode():
-    """The current check mode: "off", "first-run" or "every-call"."""
+    """The current check mode (see set_check_mode).
+
+    Returns:
+        "off", "first-run" (the default) or "every-call".
+    """
     return _check_mode
 
 
 def clear_error():
     """After catching an error a collective raised, let the next collectives run.
 
-    A collective that failed (check mode, a freed communicator, an MPI error)
+    A collective that failed (a mismatch, a freed communicator, an MPI error)
     raises on every rank; on a GPU it raises when its result is read, and JAX's
     ordering token then carries that error into every later collective.  Call
     this once the error is handled, on every rank, to start from a fresh token.
+
+    Returns:
+        None.
+
+    Example::
+
+        try:
+            y = step(x).block_until_ready()
+        except jax.errors.JaxRuntimeError as error:
+            print(error)
+            mpicoll.clear_error()        # on every rank, then carry on
     """
     _compat.reset_effect_tokens()
 
 
 def set_timeout(seconds):
-    """Abort the job when a collective waits more than `seconds` (None or 0: never)."""
+    """End the job when a collective waits longer than seconds.
+
+    The watchdog ends the job (MPI_Abort, exit status 3) with the stall report
+    as its reason, naming the collective, the rank and the communicator; it also
+    watches point-to-point calls and a communicator's first use
+    (docs/troubleshooting.md).
+
+    Args:
+        seconds: the limit, a number >= 0; None or 0: wait forever.  The default
+            is 600 (MPICOLL_TIMEOUT).  Choose it above the longest legitimate
+            wait (load imbalance between collectives counts).
+    Returns:
+        None.
+    Raises:
+        ValueError: for a negative number.
+
+    Example::
+
+        mpicoll.set_timeout(120)         # a job stuck for 2 minutes ends
+    """
     seconds = float(seconds or 0)
     if seconds < 0:
         raise ValueError(f"mpicoll.set_timeout: seconds must be >= 0, got {seconds}")
@@ -81,9 +136,25 @@ def set_timeout(seconds):
 
 
 def set_stall_report(seconds):
-    """Report a collective waiting longer than `seconds`, for the whole job, with back-off
-    (None or 0: never).  One report names the ranks that have not arrived and what each
-    is doing; see the README, "When things go wrong"."""
+    """Report a collective waiting longer than seconds, once for the whole job.
+
+    The watchdog of the lowest stalled rank writes one report: the collective,
+    its call site and sequence number, the ranks that have arrived, and what
+    every other rank is doing (or that it does not answer); repeated after 2x,
+    4x, ... the threshold while the stall lasts (docs/troubleshooting.md).
+
+    Args:
+        seconds: the threshold, a number >= 0; None or 0: no reports.  The
+            default is 60 (MPICOLL_STALL_REPORT).
+    Returns:
+        None.
+    Raises:
+        ValueError: for a negative number.
+
+    Example::
+
+        mpicoll.failures.set_stall_report(5)    # report sooner while debugging
+    """
     seconds = float(seconds or 0)
     if seconds < 0:
         raise ValueError(f"mpicoll.set_stall_report: seconds must be >= 0, got {seconds}")

@@ -83,8 +83,7 @@ def test_program_runs_at_two_ranks(source, tmp_path):
 
 # Public functions whose docstrings are still being rewritten as contracts elsewhere
 # (failures.py, comm.py); remove a name once its docstring has Returns and an example.
-_CONTRACTS_PENDING = {"mpicoll.check_mode", "mpicoll.set_check_mode", "mpicoll.clear_error",
-                      "mpicoll.set_timeout", "mpicoll.default_comm"}
+_CONTRACTS_PENDING = set()
 
 
 def _public_functions():

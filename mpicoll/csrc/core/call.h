@@ -44,9 +44,11 @@ struct Call {
   // and why a received message did not fit (kCheckFailed).
   mutable int32_t status[2];
   mutable std::string failure;
-  // The input's shape, for the flight records (nullptr: not known, e.g. fused arrays).
+  // The input's shape, for the flight records (nullptr: not known, e.g. fused
+  // arrays), and when an overlapped call was queued (0: a synchronous call).
   const int64_t* dims;
   int ndims;
+  int64_t queued_ns;
   // in/out are device pointers (CUDA-aware MPI): no host code may touch them.
   bool device_buffers;
 };

@@ -145,10 +145,9 @@ int RunCollective(Call& c, Memory& memory) {
 template <typename Op, typename Memory, typename Describe, typename BeforeRun = NothingBeforeRun>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,
                    BeforeRun&& before_run = {}) {
-  const int64_t queued_ns = Recording() ? NowNs() : 0;
   progress_threads[device].Drain();
   SerializedMpiScope serialized;
-  InFlightScope watched(c, device, /*new_call=*/true, queued_ns);
+  InFlightScope watched(c, device, /*new_call=*/true, c.queued_ns);
   ffi::Error result = [&] {
     if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
     // Rank blocks have the same shapes on every rank, so an empty array skips MPI

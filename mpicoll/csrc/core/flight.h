@@ -90,6 +90,7 @@ constexpr uint64_t kMaxChunks = 4096;  // 2**24 records per device when tracing
 struct DeviceLog {
   std::atomic<FlightRecord*> chunks[kMaxChunks] = {};
   std::atomic<uint64_t> next{0};  // records written so far
+  uint64_t ring_position = 0;     // where the next one goes in the ring (its writer's only)
 };
 
 inline std::atomic<int64_t> flight_capacity{1000};  // records per device in the ring; 0 = off
@@ -114,14 +115,10 @@ inline DeviceLog* LogOf(int32_t device) {
   return log;
 }
 
-// The slot of record number `index`: in a ring of flight_capacity records, or,
-// when tracing, the index-th record of the device's chunks.  nullptr when the
+// The slot at `position`: in a ring of flight_capacity records, or, when
+// tracing, the position-th record of the device's chunks.  nullptr when the
 // trace is full.
-inline FlightRecord* SlotFor(DeviceLog* log, uint64_t index) {
-  uint64_t position = index;
-  if (!tracing.load(std::memory_order_relaxed)) {
-    position = index % static_cast<uint64_t>(flight_capacity.load(std::memory_order_relaxed));
-  }
+inline FlightRecord* SlotAt(DeviceLog* log, uint64_t position) {
   const uint64_t chunk = position / kChunkRecords;
   if (chunk >= kMaxChunks) return nullptr;
   FlightRecord* records = log->chunks[chunk].load(std::memory_order_acquire);
@@ -138,7 +135,15 @@ inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdenti
   if (!Recording()) return nullptr;
   DeviceLog* log = LogOf(device);
   const uint64_t index = log->next.load(std::memory_order_relaxed);
-  FlightRecord* r = SlotFor(log, index);
+  uint64_t position = index;
+  if (!tracing.load(std::memory_order_relaxed)) {  // the ring: no division on this path
+    position = log->ring_position;
+    const uint64_t following = position + 1;
+    log->ring_position =
+        following >= static_cast<uint64_t>(flight_capacity.load(std::memory_order_relaxed))
+            ? 0 : following;
+  }
+  FlightRecord* r = SlotAt(log, position);
   if (!r) return nullptr;
   r->stamp.store(2 * index + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -237,12 +242,21 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
                   "\"args\": {\"name\": \"local device %d\"}}",
                   world_rank, d, d);
     out += meta;
+    // The slots in use, in the order they were written (by their stamps).
     const uint64_t written = log->next.load(std::memory_order_acquire);
-    const uint64_t kept = tracing.load() ? written
-                          : std::min<uint64_t>(written, flight_capacity.load());
-    for (uint64_t index = written - kept; index < written; ++index) {
-      FlightRecord* r = SlotFor(log, index);
-      if (!r || r->stamp.load(std::memory_order_acquire) != 2 * index + 2) continue;
+    const uint64_t slots = tracing.load() ? written
+                           : std::min<uint64_t>(written, flight_capacity.load());
+    std::vector<std::pair<uint64_t, FlightRecord*>> in_order;
+    for (uint64_t position = 0; position < slots; ++position) {
+      FlightRecord* r = log->chunks[position / kChunkRecords].load(std::memory_order_acquire);
+      if (!r) continue;
+      r += position % kChunkRecords;
+      const uint64_t stamp = r->stamp.load(std::memory_order_acquire);
+      if (stamp != 0 && stamp % 2 == 0) in_order.emplace_back(stamp, r);
+    }
+    std::sort(in_order.begin(), in_order.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& [stamp, r] : in_order) {
       const int64_t finished = r->finished_ns.load(std::memory_order_acquire);
       std::string shape = "[";
       for (int i = 0; i < r->ndims; ++i) shape += (i ? "," : "") + std::to_string(r->dims[i]);

@@ -132,6 +132,8 @@ ffi::Future CpuOverlappedEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::To
   call->args.assign(args.begin(), args.end());
   call->c.args = call->args.data();
   call->dims.assign(x.dimensions().begin(), x.dimensions().end());
+  call->c.dims = call->dims.data();  // x's own dims are gone when the call runs
+  call->c.queued_ns = Recording() ? NowNs() : 0;
   call->dtype = x.element_type();
   return Overlap(device, [call, device] {
     Call& c = call->c;
@@ -163,6 +165,7 @@ ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Resu
       err.failure()) {
     return CompletedFuture(err);
   }
+  call->c.queued_ns = Recording() ? NowNs() : 0;
   return Overlap(device, [call, device] {
     return RunFused<Op>(call->c, call->arrays, call->packed_in, call->packed_out, device,
                         kOverlappedSuffix, ArrivalWait<Op>{});
