@@ -82,6 +82,11 @@ def check_mode():
 
     Returns:
         "off", "first-run" (the default) or "every-call".
+
+    Example::
+
+        if mpicoll.check_mode() == "off":
+            print("mismatched calls are not caught")
     """
     return _check_mode
 

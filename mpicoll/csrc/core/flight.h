@@ -301,6 +301,9 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
 inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
                          const std::string& reason) {
   if (dir.empty()) return false;
+  // The watchdog and the main thread may both write (an abort meets a notice).
+  static std::mutex writing;
+  std::lock_guard<std::mutex> lock(writing);
   mkdir(dir.c_str(), 0777);  // the parent exists (checked at import); EEXIST is fine
   const std::string text = RecordsJson(world_rank, world_size, reason);
   const std::string path = dir + "/rank" + std::to_string(world_rank) + ".json";
