@@ -25,7 +25,8 @@ pytestmark = serial_only
 
 
 # 3 devices: the local reduction's slices are uneven (one is empty for 2 elements).
-@pytest.mark.parametrize("ranks,devices", [(1, 2), (2, 2), (2, 1), (2, 3)])
+# One device per rank has no local combine: the suite's multi-rank runs cover it.
+@pytest.mark.parametrize("ranks,devices", [(1, 2), (2, 2), (2, 3)])
 def test_global_allreduce_small_and_large(ranks, devices):
     result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices])
     assert result.returncode == 0, result.summary()

@@ -261,8 +261,10 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
       std::string shape = "[";
       for (int i = 0; i < r->ndims; ++i) shape += (i ? "," : "") + std::to_string(r->dims[i]);
       shape += r->ndims < 0 ? std::to_string(r->count) + "]" : "]";
+      const bool no_data = r->ndims < 0 && r->count == 0;  // a barrier
       const std::string call = std::string(r->op) + "(" +
-          DtypeName(static_cast<ffi::DataType>(r->dtype)) + shape + ")";
+          (no_data ? std::string() : DtypeName(static_cast<ffi::DataType>(r->dtype)) + shape) +
+          ")";
       std::string args = "{\"sequence\": " + std::to_string(r->sequence) +
           ", \"call\": " + JsonString(call) + ", \"op\": " + JsonString(r->op) +
           ", \"comm\": " + JsonString(r->comm ? r->comm->name : "?") +
