@@ -97,24 +97,20 @@ def _seconds(name, raw):
     return value
 
 
-def _bytes(name, raw):
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a non-negative integer (bytes)") from None
-    return value
+def _non_negative_integer(unit=""):
+    def parse(name, raw):
+        try:
+            value = int(raw)
+            if value < 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} must be a non-negative integer{unit}") from None
+        return value
+    return parse
 
 
-def _count(name, raw):
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a non-negative integer") from None
-    return value
+_bytes = _non_negative_integer(" (bytes)")
+_count = _non_negative_integer()
 
 
 def _writable_directory(create):

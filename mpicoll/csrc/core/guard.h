@@ -172,8 +172,9 @@ inline std::unordered_map<MPI_Comm, CommCounter> sequences[kMaxLocalDevices + 1]
 // Marks a device as inside a collective for the watchdog, and records it
 // (flight.h), for one scope.  new_call=false: a wait inside a call already
 // counted (the local devices' meeting of the combined allreduce), which keeps
-// its sequence number and is not recorded again.  queued_ns: when the handler
-// was entered, before it waited for the device's earlier calls (0: now).
+// its sequence number and is not recorded again.  queued_ns: when an
+// overlapped call was queued on the device's progress thread (0: a synchronous
+// call, queued when it starts).
 struct InFlightScope {
   InFlight* slot = nullptr;
   FlightRecord* record = nullptr;
