@@ -20,12 +20,19 @@ so that load drift hits all alike:
                       comm.Allreduce on numpy float32[1] buffers       (reference)
 
 A Python loop calls the jitted function and keeps the last result; the run
-ends with block_until_ready.  Results are checked once against numpy.
+ends with block_until_ready.  Results are checked once against numpy.  Prints a
+table and writes benchmarks/results/dispatch.json (docs/dispatch-2.json is a
+copy, which the performance page's table is generated from): per row its
+(op, bytes, impl) for the table, the median in µs.
 """
 
 import argparse
+import json
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +44,19 @@ import mpicoll
 from mpicoll import _compat
 
 WORLD = MPI.COMM_WORLD
+RESULTS = Path(__file__).resolve().parent / "results" / "dispatch.json"
+# Each row as a cell of the docs' table: (op, bytes per array, implementation).
+TABLE_CELLS = {
+    "step, 1 array": ("step of 1 array", 4, "step"),
+    "  + allreduce": ("step of 1 array", 4, "+ allreduce"),
+    "  + allreduce, tokens": ("step of 1 array", 4, "+ allreduce, tokens"),
+    "  + allreduce, JAX's tokens": ("step of 1 array", 4, "+ allreduce, JAX's tokens"),
+    "step, 100 arrays": ("step of 100 arrays", 4, "step"),
+    "  + allreduce (fused)": ("step of 100 arrays", 4, "+ allreduce"),
+    "  + allreduce (fused), tokens": ("step of 100 arrays", 4, "+ allreduce, tokens"),
+    "mpi4py Allreduce 4 B": ("allreduce", 4, "mpi4py"),
+    "eager allreduce 4 B": ("allreduce", 4, "mpicoll eager"),
+}
 
 
 def python_loop(function, argument, calls):
@@ -51,7 +71,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     size = WORLD.Get_size()
     one = jnp.ones(1, jnp.float32)
     many = [jnp.ones(1, jnp.float32) for _ in range(100)]
@@ -133,6 +155,16 @@ def main():
         for name, (_, reference) in rows.items():
             ratio = f"{medians[name] / medians[reference]:>12.1f}" if reference else ""
             print(f"{name:32} {medians[name] * 1e6:>9.1f} {ratio}")
+        cells = [dict(zip(("op", "bytes", "impl"), TABLE_CELLS[name]), name=name.strip(),
+                      us=medians[name] * 1e6) for name in rows]
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(dict(
+            benchmark="dispatch", processes=size, jax=jax.__version__,
+            mpi=MPI.Get_library_version().splitlines()[0], host=platform.node(),
+            cores=os.cpu_count(), when=time.strftime("%Y-%m-%d %H:%M"), runs=args.runs,
+            calls=args.calls, load_average=[load_start, os.getloadavg()[0]], rows=cells),
+            indent=1) + "\n")
+        print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ Targets (issue 26): 16 B: mpicoll <= 1.5 x (local psum + MPI floor) and >= 50x
 faster than gloo; 4 MiB: mpicoll <= 1.3 x mpicoll.allreduce.  Medians over
 repeats, each repeat started together (barrier), the slowest rank's time,
 block_until_ready() always; results checked against numpy.  Prints a table and
-writes benchmarks/results/jax_vocabulary.json.
+writes benchmarks/results/jax_vocabulary_<L>dev.json (docs/jax_vocabulary-<L>dev.json
+is a copy, which the site's table is generated from).
 """
 
 import argparse
@@ -130,6 +131,7 @@ def main():
     args = parse_args()
     if args.gloo_worker:
         return gloo_worker(args)
+    load_start = os.getloadavg()[0]
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -228,7 +230,9 @@ def main():
     output.write_text(json.dumps(dict(
         processes=comm.Get_size(), local_devices=args.local, jax=jax.__version__,
         mpi=MPI.Get_library_version().splitlines()[0], host=platform.node(),
-        when=time.strftime("%Y-%m-%d %H:%M"), floor=floor_note if floor is None else "",
+        when=time.strftime("%Y-%m-%d %H:%M"), cores=os.cpu_count(), repeats=args.repeats,
+        inner=args.inner, load_average=[load_start, os.getloadavg()[0]],
+        floor=floor_note if floor is None else "",
         gloo_error=gloo_error, medians_us=medians,
         checks={k: dict(value=v, target=t) for k, (v, t) in checks.items()}), indent=1))
     print(f"wrote {output}")

@@ -161,7 +161,7 @@ def write_csv(path, rows):
             writer.writerow({**row, "repeats": len(row.get("times", [])) or ""})
 
 
-def plot(rows, args, ops, path, size):
+def plot(rows, args, ops, path, size, cores=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -200,8 +200,9 @@ def plot(rows, args, ops, path, size):
                 handles.append(h)
                 labels.append(label)
     top = 1 - 0.7 / fig.get_figheight()  # room for the title and the legend
-    fig.suptitle(f"float32, {size} ranks on one {os.cpu_count()}-core machine; median time per "
-                 "call of the slowest rank", fontsize=11, y=1 - 0.12 / fig.get_figheight())
+    fig.suptitle(f"float32, {size} ranks on one {cores or os.cpu_count()}-core machine; median "
+                 "time per call of the slowest rank", fontsize=11,
+                 y=1 - 0.12 / fig.get_figheight())
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
                bbox_to_anchor=(0.5, 1 - 0.38 / fig.get_figheight()))
     fig.tight_layout(rect=(0, 0, 1, top))
@@ -325,3 +326,25 @@ def write_results(rows, args, ctx, load_start, wall_start, all_correct):
         except ImportError as error:
             print(f"no figure: {error} (make bench installs matplotlib)", flush=True)
     return written
+
+
+def redraw(argv=None):
+    """Redraw a figure from a bench.json (bench.py's, or its copy docs/cpu_bench-2.json):
+
+        python benchmarks/report.py docs/cpu_bench-2.json docs/bench-allreduce.png [--ops allreduce]
+    """
+    import argparse
+    parser = argparse.ArgumentParser(description=redraw.__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="bench.json written by bench.py")
+    parser.add_argument("figure", type=Path, help="the PNG to write")
+    parser.add_argument("--ops", nargs="+", default=["allreduce"], choices=OPS, metavar="OP",
+                        help="collectives, one row of plots each (default allreduce)")
+    args = parser.parse_args(argv)
+    data = json.loads(args.results.read_text())
+    plot(data["rows"], None, args.ops, args.figure, data["machine"]["ranks"],
+         data["machine"]["cores"])
+    print(f"wrote {args.figure} from {args.results}")
+
+
+if __name__ == "__main__":
+    redraw()

@@ -15,7 +15,9 @@
 # Two checks beyond Sphinx's own, both warnings (so errors under -W):
 #   * every name in mpicoll.__all__ is documented on the API page (a new public name
 #     without an entry there fails the build: _ext/mpicoll_docs.py);
-#   * the GPU benchmark tables are generated from docs/gpu_bench-*.json, not typed.
+#   * the benchmark tables are generated from result files under docs/ (cpu_bench-*.json,
+#     dispatch-*.json, jax_vocabulary-*.json, gpu_bench-*.json: the bench-table
+#     directive and the bench-value role), not typed.
 
 import os
 import sys

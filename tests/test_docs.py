@@ -17,6 +17,7 @@
 All of it launches processes of its own, so only the serial run takes part.
 """
 
+import html
 import importlib.util
 import re
 import shutil
@@ -165,6 +166,92 @@ def test_gpu_tables_come_from_the_result_files(site):
     gpus = (site / "gpus.html").read_text()
     assert gpus.count("generated from gpu_bench-2.json") >= 2
     assert "generated from gpu_bench-1.json" in gpus
+
+
+def _html_cells(part):
+    return [[html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+             for cell in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", part, re.S)]
+
+
+def _generated_tables(page, name):
+    """[(header, body rows)] of the tables on a built page captioned "generated from name"."""
+    found = []
+    for match in re.finditer(rf"generated from {re.escape(name)}</em></p>.*?</table>", page, re.S):
+        table = match.group(0)
+        head, body = table.split("</thead>")
+        found.append((_html_cells(head)[0], _html_cells(body)))
+    return found
+
+
+def _close(shown, value):
+    """A table's cell ("1,234", "2.13", "12.3") shows `value` to its printed precision."""
+    text = shown.replace(",", "")
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def _bytes(label):
+    number, unit = label.split()
+    return int(number) << {"B": 0, "KiB": 10, "MiB": 20}[unit]
+
+
+# docs/<file>: (the page generated from it, the least number of measured cells it shows).
+_CPU_RESULTS = {"cpu_bench-2.json": ("performance.html", 100),
+                "dispatch-2.json": ("performance.html", 6),
+                "jax_vocabulary-1dev.json": ("jax-vocabulary.html", 8),
+                "jax_vocabulary-2dev.json": ("jax-vocabulary.html", 8)}
+
+
+@pytest.mark.parametrize("name", sorted(_CPU_RESULTS))
+def test_cpu_tables_come_from_the_result_files(site, name):
+    """Every time in the CPU tables is the result file's (benchmarks/bench.py's bench.json,
+    jax_vocabulary.py's, dispatch.py's; copied to docs/ after a run), and each "(x×)" its
+    ratio."""
+    import json
+
+    page, least = _CPU_RESULTS[name]
+    data = json.loads((DOCS / name).read_text())
+    if "machine" in data:  # bench.py: {(op, bytes, impl): µs}; columns titled by impl
+        times = {(r["op"], r["bytes"], r["impl"]): r["time_per_call_s"] * 1e6
+                 for r in data["rows"] if r["status"] == "ok"}
+        assert data["all_correct"]
+        title = {impl: impl for _, _, impl in times}
+    else:  # columns titled as the docs extension says
+        sys.path.insert(0, str(DOCS / "_ext"))
+        import mpicoll_docs
+        if "medians_us" in data:  # jax_vocabulary.py: {row: {"16 B": µs}}; a psum per row
+            times = {("psum", _bytes(label), impl): us for impl, sizes in
+                     data["medians_us"].items() for label, us in sizes.items()}
+        else:  # dispatch.py: rows of (op, bytes, impl, us)
+            times = {(r["op"], r["bytes"], r["impl"]): r["us"] for r in data["rows"]}
+        kind = "dispatch" if data.get("benchmark") == "dispatch" else "vocabulary"
+        title = {impl: t for impl, t in mpicoll_docs.FORMATS[kind].columns}
+    impl_of = {t: impl for impl, t in title.items()}
+    tables = _generated_tables((site / page).read_text(), name)
+    assert tables, f"no table on {page} is generated from {name}"
+    checked = 0
+    for header, rows in tables:
+        assert header[:2] in (["op", "per rank"], ["op", "per device"], ["op", "per array"])
+        for row in rows:
+            op, nbytes = row[0], _bytes(row[1])
+            base = None
+            for column, cell in zip(header[2:], row[2:]):
+                if column not in impl_of:  # a ratio column "a / b"
+                    a, b = (times.get((op, nbytes, impl_of[t])) for t in column.split(" / "))
+                    assert cell == "–" if None in (a, b) else _close(cell, a / b), (row, column)
+                    continue
+                value = times.get((op, nbytes, impl_of[column]))
+                if value is None:
+                    assert cell in ("–", "n/a", "not available", "failed"), (row, column, cell)
+                    continue
+                shown = re.fullmatch(r"([\d,.]+)(?: \(([\d.]+)×\))?", cell)
+                assert shown and _close(shown.group(1), value), (op, nbytes, column, cell, value)
+                if shown.group(2):  # the ratio to the first column's implementation (c-floor)
+                    base = base or times[(op, nbytes, impl_of[header[2]])]
+                    assert _close(shown.group(2), value / base), (op, nbytes, column, cell)
+                checked += 1
+    assert checked >= least, f"{checked} measured cells from {name}"
 
 
 # --- In a browser ------------------------------------------------------------------
