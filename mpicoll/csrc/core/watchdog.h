@@ -272,12 +272,14 @@ inline std::string Describe(const RankState& s) {
 }
 
 // The report, from this rank's point of view (`stalled`: this rank's state);
-// empty if a lower rank is stalled too (it reports).
+// empty if a lower rank is stalled too (it reports).  "Stalled" with half the
+// threshold's tolerance: ranks enter a collective a little apart, and a lower
+// rank that arrived last is about to reach the threshold and report itself.
 inline std::string StallReport(const std::vector<RankState>& states, int me, bool always) {
   const RankState& mine = states[me];
   for (int r = 0; r < me && !always; ++r) {
     if (states[r].world_rank >= 0 && states[r].in_collective &&
-        states[r].seconds >= stall_report_seconds.load()) {
+        states[r].seconds >= 0.5 * stall_report_seconds.load()) {
       return std::string();
     }
   }
