@@ -67,9 +67,9 @@ class RankFile:
 
 def load(directory):
     """Every rank<r>.json in `directory`, by rank; ValueError saying what is wrong."""
-    paths = sorted(glob.glob(os.path.join(directory, "rank*.json")),
-                   key=lambda p: int(_RANK_FILE.search(p).group(1)) if _RANK_FILE.search(p) else -1)
-    paths = [p for p in paths if _RANK_FILE.search(p)]
+    numbered = [(int(m.group(1)), p) for p in glob.glob(os.path.join(directory, "rank*.json"))
+                if (m := _RANK_FILE.search(p))]
+    paths = [p for _, p in sorted(numbered)]
     if not paths:
         raise ValueError(f"{directory}: no rank<r>.json files (mpicoll writes them there on a "
                          "stall, a timeout, an abort or SIGUSR1 (MPICOLL_FLIGHT_DIR), or at "

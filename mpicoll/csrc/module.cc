@@ -505,27 +505,29 @@ PyObject* SetHostNames(PyObject*, PyObject* arg) {
 }
 
 // write_trace(reason) / dump_flight(reason) -> whether a file was written.
-PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
+template <typename Write>
+PyObject* WriteRecordsNow(PyObject* arg, Write&& write) {
   const char* reason = PyUnicode_AsUTF8(arg);
   if (!reason) return nullptr;
   const std::string why = reason;
   bool written;
   Py_BEGIN_ALLOW_THREADS
-  written = WriteTrace(WorldRank(), world_size.load(), why);
+  written = write(why);
   Py_END_ALLOW_THREADS
   return PyBool_FromLong(written);
 }
 
+PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
+  return WriteRecordsNow(arg, [](const std::string& why) {
+    return WriteTrace(WorldRank(), world_size.load(), why);
+  });
+}
+
 PyObject* PyDumpFlight(PyObject*, PyObject* arg) {
-  const char* reason = PyUnicode_AsUTF8(arg);
-  if (!reason) return nullptr;
-  const std::string why = reason;
-  bool written;
-  Py_BEGIN_ALLOW_THREADS
-  last_flight_dump_ns.store(0);  // asked for: not rate-limited
-  written = DumpFlight(WorldRank(), world_size.load(), why);
-  Py_END_ALLOW_THREADS
-  return PyBool_FromLong(written);
+  return WriteRecordsNow(arg, [](const std::string& why) {
+    last_flight_dump_ns.store(0);  // asked for: not rate-limited
+    return DumpFlight(WorldRank(), world_size.load(), why);
+  });
 }
 
 // The clock the records use (steady_clock), for measuring offsets between ranks.
