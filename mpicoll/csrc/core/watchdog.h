@@ -400,10 +400,12 @@ inline void Watchdog() {
     std::string report = StallReport(states, me, /*always=*/false);
     if (timed_out) {
       // One report for the job: the lowest stalled rank's.  The others give it
-      // a moment to end the job, then end it themselves.
+      // a moment to end the job, then end it themselves.  They answer its state
+      // requests meanwhile: it is asking them for the report that ends the job.
       if (report.empty()) {
         for (int i = 0; i < 100 && !watchdog_stop.load(); ++i) {
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          ServeStateRequests();
         }
         if (watchdog_stop.load()) return;
         report = StallReport(states, me, /*always=*/true);
