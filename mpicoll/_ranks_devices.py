@@ -94,7 +94,10 @@ def _composed_allreduce(x, name, comm, axis_name):
     per_rank = functools.partial(bind, _blocks.ALLREDUCE, op=name, comm=comm,
                                  transpose_sums=not vma)
     if name != "sum":
-        gathered = lax.all_gather(x, axis_name)
+        # Every device reduces the same gathered rows, so the result is typed
+        # invariant over the local axis, as lax.pmax's is (its derivative then
+        # reaches the device whose element won).
+        gathered = (_compat.all_gather_invariant if vma else lax.all_gather)(x, axis_name)
         combined = functools.reduce(_types.elementwise(name), [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
     if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
@@ -164,12 +167,10 @@ def _combined_allreduce(x, name, info, axis_name, whole=False):
 
 
 def _combined_abstract_eval(x, *, axis_name, local, op, **params):
-    # Typed like the composition: psum makes the value invariant over the local
-    # axis; the other ops go through all_gather, which leaves it varying.
+    # Typed like the composition, and like lax.psum/pmax/pmin: the value is the
+    # same on every local device, invariant over the local axis.
     if _compat.check_vma_enabled():
-        varying = _compat.varying_axes(x)
-        x = _compat.with_varying_axes(
-            x, varying - {axis_name} if op == _SUM else varying | {axis_name})
+        x = _compat.with_varying_axes(x, _compat.varying_axes(x) - {axis_name})
     return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape, params), {mpi_effect}
 
 

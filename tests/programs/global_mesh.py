@@ -9,8 +9,8 @@ process's devices, with global arrays from make_array_from_process_local_data:
 a mesh ("x",) of R x L devices (with L > 1 the axis spans processes and their
 devices), and a mesh ("proc", "dev") collecting over ("proc",) and over
 ("proc", "dev").  The reference is the same program in one process over R x L
-devices (JAX's own collectives), run first with --reference.  Values and vjps
-are compared, and the compiled programs are checked to hold no XLA collective
+devices (JAX's own collectives), run first with --reference.  Values, vjps and
+check_vma's types are compared, and the compiled programs are checked to hold no XLA collective
 (everything that crossed processes went through mpicoll).  Prints "ALL OK".
 """
 
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from lax_cases import CASES, attempt, blocks, check, failures  # noqa: E402
+from lax_cases import CASES, attempt, blocks, check, failures, varying_axes  # noqa: E402
 
 if not MAKING_REFERENCE:
     from mpi4py import MPI  # noqa: E402
@@ -77,12 +77,22 @@ def run_case(key, body, block, shape, names, axes):
     as_global = lambda rows: jax.make_array_from_process_local_data(  # noqa: E731
         NamedSharding(mesh, spec), local_blocks(rows))
     x = as_global(everyone)
-    program = jax.jit(jax.shard_map(lambda x: body(x, axes, count), mesh=mesh, in_specs=spec,
-                                    out_specs=spec))
+    typed = []  # check_vma's type of the body's result: the axes it varies over
+
+    def run(x):
+        y = body(x, axes, count)
+        typed.append(sorted(varying_axes(jax.typeof(y))))
+        return y
+
+    program = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec))
     got = mine(program(x))
     if MAKING_REFERENCE:
         REFERENCE[key] = got
+        REFERENCE[key + ": type"] = np.array(typed[0], dtype=str)
     else:
+        if typed[0] != list(REFERENCE[key + ": type"]):
+            failures.append(f"{key}: typed varying over {typed[0]}, JAX's over "
+                            f"{list(REFERENCE[key + ': type'])}")
         text = program.lower(x).compile().as_text()
         if XLA_COLLECTIVE.search(text):
             failures.append(f"{key}: an XLA collective is left: {XLA_COLLECTIVE.search(text)[0]}")

@@ -22,6 +22,13 @@ def attempt(name, fn):
         failures.append(f"{name}: {type(error).__name__}: {str(error)[:600]}")
 
 
+def varying_axes(aval):
+    """check_vma's type: the axes a value varies over (jax 0.10 spells it
+    manual_axis_type.varying, later JAX vma)."""
+    spelled = getattr(aval, "manual_axis_type", None)
+    return spelled.varying if spelled is not None else aval.vma
+
+
 def blocks(shape, participants):
     """A participant's block shape; "tile": one that any number of participants dividing
     `participants` can share along dimension 1."""

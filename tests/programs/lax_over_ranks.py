@@ -28,7 +28,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
-from lax_cases import CASES, attempt, blocks, check, failures  # noqa: E402
+from lax_cases import CASES, attempt, blocks, check, failures, varying_axes  # noqa: E402
 from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -57,6 +57,18 @@ def mine(global_array):
     return np.concatenate(np.split(np.asarray(global_array), N)[MINE])
 
 
+def _types_compared(ours, theirs, everyone, types, what):
+    """Traces both programs: their results vary over the same axes (JAX's replication
+    typing holds across ranks: a pmax over every axis is invariant, an all_gather not)."""
+    ours.trace(rows(everyone[MINE]))
+    theirs.trace(rows(everyone))
+    if types["ours"] != types["theirs"]:
+        failures.append(f"{what}: typed varying over {sorted(types['ours'])}, "
+                        f"JAX's over {sorted(types['theirs'])}")
+        return False
+    return True
+
+
 def run_case(name, body, shape, axes, vmapped):
     everyone = data(blocks(shape, N), sum(map(ord, name)))
     if vmapped:  # the body under vmap, over a leading batch of 2 inside each block
@@ -65,12 +77,23 @@ def run_case(name, body, shape, axes, vmapped):
         body = lambda x, a, n: jax.vmap(lambda row: inner(row, a, n))(x)  # noqa: E731
     count = N if "dev" in axes else SIZE
     reference_axes = as_reference(axes)
-    ours = jax.jit(jax.shard_map(lambda x: body(x, axes, count), mesh=MESH,
+    types = {}  # check_vma's type of each body's result: the axes it varies over
+
+    def typed(key, axes):
+        def run(x):
+            y = body(x, axes, count)
+            types[key] = set(as_reference(varying_axes(jax.typeof(y))))
+            return y
+        return run
+
+    ours = jax.jit(jax.shard_map(typed("ours", axes), mesh=MESH,
                                  in_specs=P((R, "dev")), out_specs=P((R, "dev"))))
-    theirs = jax.jit(jax.shard_map(lambda x: body(x, reference_axes, count),
+    theirs = jax.jit(jax.shard_map(typed("theirs", reference_axes),
                                    mesh=REFERENCE_MESH, in_specs=P(("r", "dev")),
                                    out_specs=P(("r", "dev"))))
     what = f"{name} over {axes}{' under vmap' if vmapped else ''}"
+    if not _types_compared(ours, theirs, everyone, types, what):
+        return
     if name.startswith(("pmax", "pmin", "all_to_all untiled")):
         # JAX's own has no vjp to compare with (none; a cotangent type error)
         check(what, ours(rows(everyone[MINE])), mine(theirs(rows(everyone))))
@@ -93,13 +116,16 @@ for name, (body, case_shape) in CASES.items():
 
 
 def invariant_results():
-    # check_vma: psum over every axis is the same on every participant: out_specs P().
-    everyone = data((3,), 11)
-    ours = jax.jit(jax.shard_map(lambda x: lax.psum(x, (R, "dev")), mesh=MESH,
-                                 in_specs=P((R, "dev")), out_specs=P()))
-    check("psum over (RANKS, dev) typed invariant", ours(rows(everyone[MINE])),
-          everyone.sum(axis=0))
+    # check_vma: a reduction over every axis is the same on every participant:
+    # out_specs P(), whatever the dtype (the small ones combine in mpicoll's handler).
+    everyone = data((3,), 11) * 10
+    for reduce, numpy_reduce in ((lax.psum, np.sum), (lax.pmax, np.max), (lax.pmin, np.min)):
+        for dtype in (np.float64, np.int32):
+            ours = jax.jit(jax.shard_map(lambda x: reduce(x.astype(dtype), (R, "dev")),
+                                         mesh=MESH, in_specs=P((R, "dev")), out_specs=P()))
+            check(f"{reduce.__name__} over (RANKS, dev) of {dtype.__name__} typed invariant",
+                  ours(rows(everyone[MINE])), numpy_reduce(everyone.astype(dtype), axis=0))
 
 
-attempt("invariant psum", invariant_results)
+attempt("invariant reductions", invariant_results)
 report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")
