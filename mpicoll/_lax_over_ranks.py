@@ -215,7 +215,7 @@ def _allreduce(x, op, who):
         return bind(_blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
     if who.layout == RANKS_X_AXIS:
         return _ranks_devices.allreduce(x, op, who.comm, who.local_axis)
-    return _ranks_devices._combined_allreduce(x, op, who.comm, who.axes[0], whole=True)
+    return _ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True)
 
 
 # WHOLE: the L devices of a process have no axis of their own to run XLA's

@@ -82,7 +82,7 @@ def _reduction_arguments(x, op, comm, axis_name, caller):
 def allreduce(x, op, comm, axis_name):
     x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
     if _combines_in_handler(x, local):
-        return _combined_allreduce(x, name, info, axis_name)
+        return combined_allreduce(x, name, info, axis_name)
     return _composed_allreduce(x, name, info, axis_name)
 
 
@@ -152,7 +152,7 @@ def _combines_in_handler(x, local):
             and not overlap.active() and jax.default_backend() == "cpu")
 
 
-def _combined_allreduce(x, name, info, axis_name, whole=False):
+def combined_allreduce(x, name, info, axis_name, whole=False):
     """whole: the combine is the entire collective over axis_name (its every
     participant is a device of a rank of info), not a step of the composition
     over a local axis: a global mesh's axis that spans processes and their
