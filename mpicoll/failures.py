@@ -177,17 +177,17 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
     """Print the rank and traceback of an uncaught exception, then abort every rank.
 
     The other ranks' watchdogs say in one line which rank ends the job; where
-    several ranks raise at once (the same error everywhere, typically), the
-    lowest prints the traceback and the others one line each.
+    several ranks raise (the same error everywhere, typically), one prints the
+    traceback (the lowest of those that raised together) and the others one line each.
     """
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     where = f" in thread {thread.name}" if thread is not None else ""
-    lowest = extension.announce_abort(_ABORT_SETTLE_MS)
-    if lowest < rank:
+    printing = extension.announce_abort(_ABORT_SETTLE_MS)
+    if printing != rank:
         first_line = (str(exc).splitlines() or [""])[0]
         sys.stderr.write(f"mpicoll: uncaught {exc_type.__name__} on rank {rank} too{where}: "
-                         f"{first_line} (rank {lowest} prints its traceback; aborting the job)\n")
+                         f"{first_line} (rank {printing} prints its traceback; aborting the job)\n")
     else:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "

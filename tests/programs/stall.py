@@ -10,6 +10,8 @@
              timeout ends the job
   raise-one  rank 1 raises (uncaught) while the others wait in an allreduce
   raise-all  every rank raises the same error
+  raise-all-last-first  every rank raises the same error, the last 0.15 s before
+             the others
   sigusr1    rank 0 sends itself SIGUSR1 after a few collectives: its flight records are
              written (MPICOLL_FLIGHT_DIR) while the job goes on
   straggler  the last rank sleeps before each of 5 allreduces, on every local device
@@ -56,7 +58,12 @@ elif CASE == "raise-one":
         raise RuntimeError("deliberate failure on rank 1")
     summed(jnp.ones(4)).block_until_ready()
 elif CASE == "raise-all":
-    mpicoll.allreduce(jnp.ones(3), op="nope")
+    mpicoll.allreduce(jnp.ones(3), op="nope")  # refused together, on every rank
+elif CASE == "raise-all-last-first":
+    MPI.COMM_WORLD.Barrier()
+    if RANK < SIZE - 1:
+        time.sleep(0.15)  # the last rank has decided to print its traceback by then
+    raise RuntimeError("the same failure on every rank")
 elif CASE == "sigusr1":
     for _ in range(3):
         summed(jnp.ones(4)).block_until_ready()

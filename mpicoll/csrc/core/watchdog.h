@@ -43,6 +43,7 @@ inline std::atomic<bool> watchdog_stop{false}, watchdog_stopped{false};
 constexpr int kStateRequestTag = 7301;
 constexpr int kStateReplyTag = 7302;
 constexpr int kAbortNoticeTag = 7303;  // "rank r is ending the job" (an uncaught exception)
+constexpr int kTracebackNoticeTag = 7304;  // "rank r prints the traceback that ends it"
 constexpr double kAnswerWithin = 3.0;  // s a report waits for the other ranks' answers
 
 
@@ -174,9 +175,16 @@ inline void ServeStateRequests() {
 // raised at the same moment (the same error on every rank, typically) prints
 // one line instead of a second copy of the traceback.
 inline std::atomic<int> lowest_aborting{1 << 30};  // the lowest rank that announced an abort
+inline std::atomic<int> printing_rank{-1};            // a rank that prints the traceback
 inline std::atomic<bool> this_rank_aborting{false};
 
 inline void TakeAbortNotices() {
+  // A rank's traceback notice follows its abort notice (MPI keeps their order
+  // per sender only within a tag, so each is taken for what it says).
+  ReceiveEach(kTracebackNoticeTag, [](int, int who) {
+    int none = -1;
+    printing_rank.compare_exchange_strong(none, who);
+  });
   ReceiveEach(kAbortNoticeTag, [](int, int who) {
     int seen = lowest_aborting.load();
     const bool first = seen == (1 << 30);
@@ -193,9 +201,23 @@ inline void TakeAbortNotices() {
   });
 }
 
+inline void NoticeToEveryRank(int tag, MPI_Comm comm) {
+  static const int me = WorldRank();  // the sends' buffer, never written again
+  for (int r = 0; r < world_size.load(); ++r) {
+    if (r == me) continue;
+    MPI_Request request;
+    if (MPI_Isend(&me, 1, MPI_INT, r, tag, comm, &request) == MPI_SUCCESS) {
+      MPI_Request_free(&request);
+    }
+  }
+}
+
 // Called by a rank about to abort the job for an uncaught exception: tells the
 // others, waits `settle_ms` for the notices of ranks that raised at the same
-// time, and returns the lowest rank that is ending the job (this one or lower).
+// time, and returns the rank that prints the traceback: one that already said
+// it does (it decided before this rank's notice reached it), else the lowest
+// rank ending the job (this one or lower), which then says so.  So one rank
+// prints it however far apart the ranks raise.
 inline int AnnounceAbort(int settle_ms) {
   const int me = WorldRank();
   this_rank_aborting.store(true);
@@ -208,20 +230,16 @@ inline int AnnounceAbort(int settle_ms) {
     return me;
   }
   MPI_Comm comm = side_channel.load();
-  static int announced;
-  announced = me;
-  for (int r = 0; r < world_size.load(); ++r) {
-    if (r == me) continue;
-    MPI_Request request;
-    if (MPI_Isend(&announced, 1, MPI_INT, r, kAbortNoticeTag, comm, &request) == MPI_SUCCESS) {
-      MPI_Request_free(&request);
-    }
-  }
+  NoticeToEveryRank(kAbortNoticeTag, comm);
   DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
   WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
   std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
   TakeAbortNotices();
-  return std::min(me, lowest_aborting.load());
+  const int printing = printing_rank.load();
+  if (printing >= 0) return printing;
+  const int lowest = std::min(me, lowest_aborting.load());
+  if (lowest == me) NoticeToEveryRank(kTracebackNoticeTag, comm);
+  return lowest;
 }
 
 // Every rank's state, this one's included; a rank that does not answer within
