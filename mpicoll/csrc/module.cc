@@ -596,7 +596,8 @@ PyMethodDef methods[] = {
     {"dump_flight", PyDumpFlight, METH_O, "Write the flight recorder's records now (reason)."},
     {"now_ns", PyNowNs, METH_NOARGS, "The records' clock, in ns."},
     {"announce_abort", PyAnnounceAbort, METH_O,
-     "Tell every rank this one ends the job; after settling (ms), the rank that prints the traceback."},
+     "Tell every rank this one ends the job; after settling (ms), the rank that prints "
+     "the traceback."},
     {"stop_watchdog", PyStopWatchdog, METH_NOARGS,
      "At exit, before MPI is finalized: the watchdog makes no more MPI calls."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},

@@ -179,8 +179,8 @@ inline std::atomic<int> printing_rank{-1};            // a rank that prints the 
 inline std::atomic<bool> this_rank_aborting{false};
 
 inline void TakeAbortNotices() {
-  // A rank's traceback notice follows its abort notice (MPI keeps their order
-  // per sender only within a tag, so each is taken for what it says).
+  // Each notice is taken for what it says alone: MPI orders a sender's messages
+  // only within a tag, so a traceback notice may come before that rank's abort notice.
   ReceiveEach(kTracebackNoticeTag, [](int, int who) {
     int none = -1;
     printing_rank.compare_exchange_strong(none, who);
