@@ -154,8 +154,12 @@ def test_the_timeline_shows_the_straggler_on_every_device(tmp_path):
     for rank in (0, 1):
         waits = [e["dur"] for e in merged if e.get("cat") == "wait" and e["pid"] == rank]
         assert sum(w > 30e3 for w in waits) >= 2 * 5, (rank, waits)
+    # Rank 2 itself mostly does not wait: the first call's compile skew and the odd
+    # descheduled thread (6 device threads on 2 cores here) aside.
     late = [e["dur"] for e in merged if e.get("cat") == "wait" and e["pid"] == 2]
-    assert sum(w > 30e3 for w in late) <= 2, late  # the first call's compile skew at most
+    calls = [e for e in merged if e.get("ph") == "X" and e.get("cat") != "wait"
+             and e["pid"] == 2]
+    assert len(calls) >= 2 * 5 and sum(w > 30e3 for w in late) <= len(calls) // 4, (calls, late)
     svg = (tmp_path / "timeline.svg").read_text()
     assert svg.startswith("<svg") and "rank 2 dev 1" in svg
 
