@@ -131,7 +131,14 @@ def test_sigusr1_writes_the_flight_records_and_the_job_goes_on(tmp_path):
     status, text = _flight(tmp_path)
     assert status == 0 and "rank 0 (" in text and "written for: SIGUSR1" in text, text
     data = json.loads((tmp_path / "rank0.json").read_text())
-    calls = [e for e in data["traceEvents"] if e.get("cat") == "collective"]
+    records = [e for e in data["traceEvents"] if e.get("cat") == "collective"]
+    calls = [e for e in records if e["args"]["comm"] == "mpicoll:MPI_COMM_WORLD:device0"]
+    # Each split communicator, though MPI gave it the handle of the one freed
+    # before it, is named as itself, with its own members, and numbered from 1.
+    splits = [(e["args"]["comm"], e["args"]["members"], e["args"]["sequence"])
+              for e in records if e not in calls]
+    assert splits == [(f"mpicoll:split{i}:device0", "0,1" if i % 2 == 0 else "1,0", 1)
+                      for i in range(4)], splits
     # The warm-up and three more allreduces, in order, all finished.
     assert [e["args"]["sequence"] for e in calls] == [1, 2, 3, 4], calls
     assert all(e["args"]["finished_ns"] and e["name"] == "allreduce(float32[4])" and

@@ -12,8 +12,10 @@
   raise-all  every rank raises the same error
   raise-all-last-first  every rank raises the same error, the last 0.15 s before
              the others
-  sigusr1    rank 0 sends itself SIGUSR1 after a few collectives: its flight records are
-             written (MPICOLL_FLIGHT_DIR) while the job goes on
+  sigusr1    four communicators made, used once and freed in turn (MPI hands a freed
+             one's handle to the next), then rank 0 sends itself SIGUSR1 after a few
+             collectives: its flight records are written (MPICOLL_FLIGHT_DIR) while
+             the job goes on
   straggler  the last rank sleeps before each of 5 allreduces, on every local device
              (pmap): its timeline (MPICOLL_TRACE) shows the others waiting for it
 """
@@ -65,6 +67,11 @@ elif CASE == "raise-all-last-first":
         time.sleep(0.15)  # the last rank has decided to print its traceback by then
     raise RuntimeError("the same failure on every rank")
 elif CASE == "sigusr1":
+    for i in range(4):  # the odd ones in reverse rank order
+        split = MPI.COMM_WORLD.Split(0, RANK if i % 2 == 0 else SIZE - 1 - RANK)
+        split.Set_name(f"split{i}")
+        mpicoll.allreduce(jnp.ones(2), comm=split).block_until_ready()
+        split.Free()
     for _ in range(3):
         summed(jnp.ones(4)).block_until_ready()
     if RANK == 0:

@@ -24,6 +24,10 @@ struct Call {
   const char* name;
   MPI_Comm comm;
   MPI_Comm internal_comm;  // see DeviceComm::internal
+  // comm's table key (generation and slot): what the watchdog's sequence numbers
+  // and the records' communicator identity are kept by (guard.h), since MPI
+  // hands a freed communicator's handle to the next one it makes.
+  int64_t comm_key;
   int rank;
   int size;
   int root;
@@ -145,6 +149,7 @@ inline ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {
   }
   c.comm = entry->comm;
   c.internal_comm = entry->internal;
+  c.comm_key = comm_slot;
   c.rank = entry->rank;
   c.size = entry->size;
   return ffi::Error::Success();

@@ -162,12 +162,17 @@ inline const int64_t process_start_ns = NowNs();
 // The number of collectives each device has entered on each communicator: a
 // collective's sequence number, the same on every rank that has reached it;
 // and the communicator's identity for the flight records (made at its first
-// collective).  Touched by the device's own (sequential) program only.
+// collective).  Touched by the device's own (sequential) program only.  Kept
+// by the communicator's table key, not its MPI_Comm: MPI reuses a freed
+// communicator's handle, and a counter kept by handle would go on numbering
+// (and naming) the old communicator's calls on the new one.  A freed key's
+// entry stays (a few bytes per communicator freed): erasing it would race with
+// the device threads, which take no lock here.
 struct CommCounter {
   uint64_t sequence = 0;
   const CommIdentity* identity = nullptr;
 };
-inline std::unordered_map<MPI_Comm, CommCounter> sequences[kMaxLocalDevices + 1];
+inline std::unordered_map<int64_t, CommCounter> sequences[kMaxLocalDevices + 1];
 
 // Marks a device as inside a collective for the watchdog, and records it
 // (flight.h), for one scope.  new_call=false: a wait inside a call already
@@ -185,7 +190,7 @@ struct InFlightScope {
     slot->rank.store(c.rank, std::memory_order_relaxed);
     slot->comm.store(c.comm, std::memory_order_relaxed);
     slot->site.store(c.site, std::memory_order_relaxed);
-    CommCounter& counter = sequences[device][c.comm];
+    CommCounter& counter = sequences[device][c.comm_key];
     const int64_t now = NowNs();
     if (new_call) {
       ++counter.sequence;
