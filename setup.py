@@ -140,8 +140,8 @@ class MPIBuildExt(build_ext):
 # several) and the headers and tables they include.
 CSRC = "mpicoll/csrc"
 SOURCES = [f"{CSRC}/{name}" for name in (
-    "module.cc", "entries/cpu.cc", "entries/cuda.cc", "entries/host_staged.cc",
-    "local_combine.cc")]
+    "module.cc", "module_watch.cc", "entries/cpu.cc", "entries/cuda.cc",
+    "entries/host_staged.cc", "local_combine.cc")]
 DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/*.def"))
 
 if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it

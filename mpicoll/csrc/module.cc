@@ -1,11 +1,13 @@
 // The CPython module `mpicoll._mpicoll_ffi`: the FFI targets' registrations,
-// set-up (initialize, register_comm), settings (check mode, timeout,
-// serialized MPI, GPU transport), and the tables as Python data
-// (reduction_ops(), collectives(), op_codes()).
+// set-up (initialize, register_comm), settings (check mode, serialized MPI,
+// GPU transport), and the tables as Python data (reduction_ops(),
+// collectives(), op_codes()); module_watch.cc has the functions for watching
+// the job (timeouts, stall reports, aborts, flight records, the timeline).
 //
 // How the extension is built: several translation units, listed in setup.py
 // and linked into this one module:
 //   module.cc              this file
+//   module_watch.cc        the module's functions for watching the job
 //   entries/cpu.cc         CPU handlers (data, fused, overlapped), the barrier
 //   entries/cuda.cc        CUDA handlers (empty without MPICOLL_CUDA)
 //   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
@@ -42,6 +44,7 @@
 #include "core/guard.h"
 #include "core/reduce_ops.h"
 #include "entries/entries.h"
+#include "module_watch.h"
 #include "ops.def"
 #include "xla/ffi/api/ffi.h"
 #ifdef MPICOLL_CUDA
@@ -319,23 +322,6 @@ PyObject* RunStagedOnHostPy(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// Python's collective communicator setup, watched like a collective.
-PyObject* BeginSetup(PyObject*, PyObject* args) {
-  const char* description;
-  if (!PyArg_ParseTuple(args, "s", &description)) return nullptr;
-  InFlight& slot = in_flight[kSetupSlot];
-  slot.started_ns.store(0);
-  setup_description = description;
-  slot.name.store(setup_description.c_str());
-  slot.started_ns.store(NowNs());
-  Py_RETURN_NONE;
-}
-
-PyObject* EndSetup(PyObject*, PyObject*) {
-  in_flight[kSetupSlot].started_ns.store(0);
-  Py_RETURN_NONE;
-}
-
 // The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
 PyObject* ReplacedSums(PyObject*, PyObject*) {
   PyObject* names = PyList_New(0);
@@ -400,151 +386,12 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
 
-// A watchdog threshold in seconds (0 or less: off); the watchdog starts with the first.
-PyObject* SetWatchdogSeconds(PyObject* arg, std::atomic<double>& threshold) {
-  double seconds = PyFloat_AsDouble(arg);
-  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
-  threshold.store(seconds > 0 ? seconds : 0.0);
-  if (seconds > 0) StartWatchdog();
-  Py_RETURN_NONE;
-}
-
-PyObject* SetTimeout(PyObject*, PyObject* arg) { return SetWatchdogSeconds(arg, timeout_seconds); }
-
-PyObject* SetStallReport(PyObject*, PyObject* arg) {
-  return SetWatchdogSeconds(arg, stall_report_seconds);
-}
-
-// The watchdogs' private duplicate of COMM_WORLD (made once, collectively, in Python).
-PyObject* SetSideChannel(PyObject*, PyObject* arg) {
-  unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return nullptr;
-  side_channel.store(HandleFromInteger<MPI_Comm>(handle));
-  Py_RETURN_NONE;
-}
-
-PyObject* DescribeSite(PyObject*, PyObject* args) {
-  long long site;
-  const char* text;
-  if (!PyArg_ParseTuple(args, "Ls", &site, &text)) return nullptr;
-  std::lock_guard<std::mutex> lock(site_mutex);
-  site_descriptions[site] = text;
-  Py_RETURN_NONE;
-}
-
-PyObject* PyAnnounceAbort(PyObject*, PyObject* arg) {
-  const long settle_ms = PyLong_AsLong(arg);
-  if (settle_ms == -1 && PyErr_Occurred()) return nullptr;
-  int lowest;
-  Py_BEGIN_ALLOW_THREADS
-  lowest = AnnounceAbort(static_cast<int>(settle_ms));
-  Py_END_ALLOW_THREADS
-  return PyLong_FromLong(lowest);
-}
-
-PyObject* PyStopWatchdog(PyObject*, PyObject*) {
-  Py_BEGIN_ALLOW_THREADS
-  StopWatchdog();
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-}
-
-// The flight recorder and the timeline (core/flight.h): set once, at import,
-// before the first collective.  set_flight(records per device, dump directory).
-PyObject* SetFlight(PyObject*, PyObject* args) {
-  long long capacity;
-  const char* dir;
-  if (!PyArg_ParseTuple(args, "Ls", &capacity, &dir)) return nullptr;
-  const long long most = static_cast<long long>(kChunkRecords * kMaxChunks);
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    flight_dir = dir;
-  }
-  flight_capacity.store(capacity < 0 ? 0 : std::min(capacity, most));
-  NoteWorld();
-  if (capacity > 0) StartWatchdog();  // it writes the dumps SIGUSR1 asks for
-  Py_RETURN_NONE;
-}
-
-// set_trace(directory): keep every record and write it there ("" = off).
-PyObject* SetTrace(PyObject*, PyObject* arg) {
-  const char* dir = PyUnicode_AsUTF8(arg);
-  if (!dir) return nullptr;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    trace_dir = dir;
-  }
-  tracing.store(dir[0] != '\0');
-  NoteWorld();
-  Py_RETURN_NONE;
-}
-
-PyObject* SetClockOffset(PyObject*, PyObject* arg) {
-  const long long offset = PyLong_AsLongLong(arg);
-  if (offset == -1 && PyErr_Occurred()) return nullptr;
-  clock_offset_ns.store(offset);
-  Py_RETURN_NONE;
-}
-
-PyObject* SetHostNames(PyObject*, PyObject* arg) {
-  PyObject* items = PySequence_Fast(arg, "set_host_names: a sequence of str");
-  if (!items) return nullptr;
-  std::vector<std::string> hosts;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
-    const char* host = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(items, i));
-    if (!host) {
-      Py_DECREF(items);
-      return nullptr;
-    }
-    hosts.emplace_back(host);
-  }
-  Py_DECREF(items);
-  std::lock_guard<std::mutex> lock(hosts_mutex);
-  world_hosts = std::move(hosts);
-  Py_RETURN_NONE;
-}
-
-// write_trace(reason) / dump_flight(reason) -> whether a file was written.
-template <typename Write>
-PyObject* WriteRecordsNow(PyObject* arg, Write&& write) {
-  const char* reason = PyUnicode_AsUTF8(arg);
-  if (!reason) return nullptr;
-  const std::string why = reason;
-  bool written;
-  Py_BEGIN_ALLOW_THREADS
-  written = write(why);
-  Py_END_ALLOW_THREADS
-  return PyBool_FromLong(written);
-}
-
-PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
-  return WriteRecordsNow(arg, [](const std::string& why) {
-    return WriteTrace(WorldRank(), world_size.load(), why);
-  });
-}
-
-PyObject* PyDumpFlight(PyObject*, PyObject* arg) {
-  return WriteRecordsNow(arg, [](const std::string& why) {
-    last_flight_dump_ns.store(0);  // asked for: not rate-limited
-    return DumpFlight(WorldRank(), world_size.load(), why);
-  });
-}
-
-// The clock the records use (steady_clock), for measuring offsets between ranks.
-PyObject* PyNowNs(PyObject*, PyObject*) { return PyLong_FromLongLong(NowNs()); }
-
 // True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED mode).
 PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return nullptr;
   serialize_mpi_calls.store(on != 0);
   Py_RETURN_NONE;
-}
-
-PyObject* PyAbortJob(PyObject*, PyObject* arg) {
-  long code = PyLong_AsLong(arg);
-  if (code == -1 && PyErr_Occurred()) return nullptr;
-  AbortJob(static_cast<int>(code));
 }
 
 #ifdef MPICOLL_CUDA
@@ -580,26 +427,6 @@ PyMethodDef methods[] = {
      "How many times this process has compared a call across ranks."},
     {"compare_call", CompareCall, METH_VARARGS,
      "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
-    {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
-    {"set_stall_report", SetStallReport, METH_O,
-     "Report a collective that waits longer than this, for the whole job (0 = off)."},
-    {"set_side_channel", SetSideChannel, METH_O,
-     "The communicator (handle) the watchdogs ask each other's state on."},
-    {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
-    {"set_flight", SetFlight, METH_VARARGS,
-     "(records kept per device, 0 = off; directory the dumps go to)."},
-    {"set_trace", SetTrace, METH_O, "Keep every record, written to this directory ('' = off)."},
-    {"set_clock_offset", SetClockOffset, METH_O,
-     "Rank 0's clock minus this rank's, in ns (written with the records)."},
-    {"set_host_names", SetHostNames, METH_O, "Every rank's host name, in rank order."},
-    {"write_trace", PyWriteTrace, METH_O, "Write the timeline's records now (reason)."},
-    {"dump_flight", PyDumpFlight, METH_O, "Write the flight recorder's records now (reason)."},
-    {"now_ns", PyNowNs, METH_NOARGS, "The records' clock, in ns."},
-    {"announce_abort", PyAnnounceAbort, METH_O,
-     "Tell every rank this one ends the job; after settling (ms), the rank that prints "
-     "the traceback."},
-    {"stop_watchdog", PyStopWatchdog, METH_NOARGS,
-     "At exit, before MPI is finalized: the watchdog makes no more MPI calls."},
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"reduction_ops", ReductionOps, METH_NOARGS,
      "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},
@@ -623,21 +450,32 @@ PyMethodDef methods[] = {
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
     {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
      "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
-    {"begin_setup", BeginSetup, METH_VARARGS,
-     "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
-    {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
     {"set_serialized_mpi", SetSerializedMpi, METH_O,
      "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
-    {"abort_job", PyAbortJob, METH_O,
-     "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {"replaced_sums", ReplacedSums, METH_NOARGS,
      "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};
 
+// This file's table and module_watch.cc's, as one (the module keeps a pointer to it).
+PyMethodDef* AllMethods() {
+  static std::vector<PyMethodDef> all = [] {
+    std::vector<PyMethodDef> joined;
+    for (const PyMethodDef* table : {methods, watch_methods}) {
+      for (const PyMethodDef* m = table; m->ml_name; ++m) joined.push_back(*m);
+    }
+    joined.push_back({nullptr, nullptr, 0, nullptr});
+    return joined;
+  }();
+  return all.data();
+}
+
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mpicoll_ffi",
-                      "XLA FFI handlers for MPI collectives.", -1, methods};
+                      "XLA FFI handlers for MPI collectives.", -1, nullptr};
 
 }  // namespace
 }  // namespace mpicoll
 
-PyMODINIT_FUNC PyInit__mpicoll_ffi() { return PyModule_Create(&mpicoll::module); }
+PyMODINIT_FUNC PyInit__mpicoll_ffi() {
+  mpicoll::module.m_methods = mpicoll::AllMethods();
+  return PyModule_Create(&mpicoll::module);
+}
