@@ -58,11 +58,11 @@ PyObject* DescribeSite(PyObject*, PyObject* args) {
 PyObject* PyAnnounceAbort(PyObject*, PyObject* arg) {
   const long settle_ms = PyLong_AsLong(arg);
   if (settle_ms == -1 && PyErr_Occurred()) return nullptr;
-  int lowest;
+  int printing;  // the rank that prints the traceback
   Py_BEGIN_ALLOW_THREADS
-  lowest = AnnounceAbort(static_cast<int>(settle_ms));
+  printing = AnnounceAbort(static_cast<int>(settle_ms));
   Py_END_ALLOW_THREADS
-  return PyLong_FromLong(lowest);
+  return PyLong_FromLong(printing);
 }
 
 PyObject* PyStopWatchdog(PyObject*, PyObject*) {
