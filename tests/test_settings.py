@@ -89,9 +89,11 @@ def test_the_trace_directory_is_made_at_import_and_given_absolute(tmp_path, monk
 def test_an_unwritable_trace_directory_stops_the_import_on_every_rank():
     from conftest import run_mpiexec
     # Each rank catches and prints its own error: a launcher may kill the other ranks as soon
-    # as one exits non-zero (Open MPI 5 does), before they print theirs.
-    program = ("try:\n    import mpicoll\nexcept ValueError as error:\n"
-               "    print('refused:', error)\nelse:\n    print('imported')")
+    # as one exits non-zero (Open MPI 5 does), before they print theirs.  One write each
+    # (print writes its pieces apart, which the launcher may interleave between ranks).
+    program = ("import os\ntry:\n    import mpicoll\nexcept ValueError as error:\n"
+               "    os.write(1, f'refused: {error}\\n'.encode())\nelse:\n"
+               "    os.write(1, b'imported\\n')")
     result = run_mpiexec(2, [sys.executable, "-c", program], timeout=120,
                          env={"MPICOLL_TRACE": "/proc/mpicoll-trace"})
     assert result.returncode == 0, result.summary()
