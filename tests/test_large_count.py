@@ -78,6 +78,10 @@ def _needs_memory(per_rank_bytes):
     large job shares the machine.
     """
     needed = SIZE * (per_rank_bytes + MPI_MARGIN)
+    # Read once every rank has given back the last test's memory (the fixture before this
+    # test): without it rank 0 read 11.8 GiB available while rank 1 still held its
+    # allgather's output (CI here, the next gather test failed).
+    WORLD.Barrier()
     available = None
     if RANK == 0:
         with open("/proc/meminfo") as meminfo:
