@@ -183,11 +183,11 @@ def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames(ca
     result = run_mpiexec(3, [sys.executable, PROGRAM, case], timeout=180)
     assert result.returncode != 0, result.summary()
     assert result.output.count("Traceback (most recent call last)") == 1, result.summary()
-    printing = re.search(r"uncaught exception on rank (\d) of 3; aborting the job",
-                         result.output)
-    assert printing and int(printing[1]) in ({0, 1, 2} if first is None else {first}), \
-        result.summary()
-    printing = int(printing[1])
+    printed = re.search(r"uncaught exception on rank (\d) of 3; aborting the job",
+                        result.output)
+    assert printed, result.summary()
+    printing = int(printed[1])
+    assert printing in ({0, 1, 2} if first is None else {first}), result.summary()
     too = re.findall(r"mpicoll: uncaught (\w+) on rank (\d) too: (.*) \(rank (\d) prints its "
                      r"traceback; aborting the job\)", result.output)
     assert all(f"{kind}: {text}".startswith(error) and int(names) == printing

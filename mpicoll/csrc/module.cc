@@ -26,18 +26,12 @@
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
 #endif
 
-#include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "core/algorithms.h"
-#include "core/watchdog.h"
 #include "core/collectives.h"
 #include "core/comm_table.h"
 #include "core/dtypes.h"
