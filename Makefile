@@ -14,6 +14,7 @@
 #   make bench                   benchmarks/bench.py under mpiexec -n 2: every collective vs the
 #                                C MPI floor, mpi4py, mpi4jax and JAX+gloo (results in
 #                                benchmarks/results/); then dispatch.py, check_mode.py, observability.py,
+#                                divergence.py (how fast a job whose ranks diverge ends),
 #                                thread_level.py (a 4 B allreduce at each MPI thread level)
 #                                overlap.py (mpicoll.overlap() step times) and
 #                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
@@ -338,6 +339,8 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/check_mode.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/observability.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/divergence.py \
+	    --mpiexec $(MPIEXEC)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/thread_level.py \
 	    --floor-lib $(FLOOR_LIB) --mpiexec '$(MPIEXEC) $(MPIEXEC_FLAGS) -n 2'
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \

@@ -41,7 +41,7 @@ def calls_per_run(nbytes):
 
 def set_mode(mode, trace_dir):
     flight = _settings.current().flight_dir
-    extension.set_flight(0 if mode == "off" else 1000, flight)
+    extension.set_flight(0 if mode == "off" else 1000, flight, tempfile.gettempdir())
     extension.set_trace(trace_dir if mode == "timeline" else "")
 
 

@@ -28,8 +28,9 @@ commands:
           rank's JAX backend and devices (run it under mpiexec / srun like any MPI program)
   flight DIR
           read every rank's flight recorder dump in DIR (MPICOLL_FLIGHT_DIR, written on a
-          stall, a timeout, an abort or SIGUSR1) and say where the ranks diverge; exits 1
-          if they do
+          stall, a timeout, an abort or SIGUSR1) and say where the ranks diverge: which
+          rank is behind or ahead on which communicator, or wrote no dump; exits 1 unless
+          every rank has a dump and they agree
   trace DIR
           merge every rank's timeline in DIR (MPICOLL_TRACE=DIR) onto one clock: writes
           DIR/merged.json (wait and transfer spans, for ui.perfetto.dev) and
@@ -88,6 +89,7 @@ def _rank_report():
 def _settings_report():
     """[(name, value, where it came from)]: every setting as this rank has it now."""
     import dataclasses
+    import tempfile
 
     import mpicoll
     from mpicoll import _settings, failures
@@ -106,6 +108,9 @@ def _settings_report():
             value, where = now[field.name], f"set in the program ({where}: {value})"
         elif field.name == "trace" and not value:
             value = "off"
+        elif field.name == "flight_dir" and not value:
+            value, where = "per job", ("default (a folder of the job's own under "
+                                       f"{tempfile.gettempdir()}, named when the ranks meet)")
         elif field.name == "abort_on_error" and value is None:
             value, where = failures.abort_on_error_installed(), \
                 "default (on with more than one rank)"
@@ -345,7 +350,7 @@ def _one_directory(argv, command):
 
 
 def flight(argv):
-    """`flight DIR`: where the ranks' flight records diverge (exit 1 if they do)."""
+    """`flight DIR`: where the ranks' flight records diverge (exit 1 unless they agree)."""
     from . import _records
 
     directory = _one_directory(argv, "flight")

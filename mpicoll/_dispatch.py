@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from . import _compat, _spec, _types, _typing, _validate, comm as comm_layer, overlap
+from . import _compat, _primitive, _spec, _types, _typing, _validate, comm as comm_layer, overlap
 from ._device_order import after_pending_programs
 
 
@@ -33,7 +33,7 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
         program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
                            transpose_sums, static)
         after_pending_programs()
-        return program(x).block_until_ready()
+        return run_eagerly(program, x)
     info = comm_layer.resolve(comm, spec.name)
     x, params = agree(info, spec.name, _validate.validated_params, spec, x, info, root, op,
                       transpose_sums, static)
@@ -73,6 +73,30 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
         if cacheable:
             _EAGER_PROGRAMS[key] = program
     return program, x
+
+
+def run_eagerly(program, x):
+    """program(x), completed; a failure raises jax.errors.JaxRuntimeError whichever
+    way JAX ran the program.
+
+    A cached program runs on jit's C++ fast path, which raises a failure XLA
+    reports at dispatch (an MPI error, a mismatch: the program is small and runs
+    inline) as ValueError, where the program's first call raises JaxRuntimeError;
+    said here as the first call says it, so that every rank raises the same type
+    (the try costs nothing until something is raised).
+    """
+    try:
+        _primitive.lowering_eagerly[0] = True  # its call site is not compared (see there)
+        try:
+            out = program(x)
+        finally:
+            _primitive.lowering_eagerly[0] = False
+        return out.block_until_ready() if isinstance(out, jax.Array) else jax.block_until_ready(out)
+    except ValueError as error:
+        runtime_error = _compat.runtime_error_from_fast_path(error)
+        if runtime_error is None:
+            raise
+        raise runtime_error.with_traceback(error.__traceback__) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +147,7 @@ def collective(spec, x, **kwargs):
     results = [None] * len(leaves)
     after_pending_programs()
     for indices in messages(leaves):
-        outs = jax.block_until_ready(program(tuple(leaves[i] for i in indices)))
+        outs = run_eagerly(program, tuple(leaves[i] for i in indices))
         for i, out in zip(indices, outs):
             results[i] = out
     return jax.tree.unflatten(treedef, results)

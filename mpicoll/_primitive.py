@@ -36,6 +36,11 @@ _compat.register_ordered_effect(MPIEffect)
 # runs (failures.py), which is how it knows a program is new.
 _call_sites = itertools.count(1)
 
+# Set while an eager call compiles its program (_dispatch.run_eagerly): JAX caches
+# that program by signature, so its site's source line is the first caller's, and
+# every-call checks compare the sites of jitted calls only.
+lowering_eagerly = [False]
+
 
 def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbered=True,
                      **attributes):
@@ -58,7 +63,8 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
         attributes["site"] = next(_call_sites)
         where = _compat.user_source_line(ctx, _PACKAGE)
         if where:
-            _native.extension.describe_site(attributes["site"], where)
+            _native.extension.describe_site(attributes["site"], where,
+                                            not lowering_eagerly[0])
     attributes = {name: np.int64(value) if isinstance(value, (int, np.integer)) else value
                   for name, value in attributes.items()}
     token, *outs = call(_compat.with_token_avals(ctx), token, *operands, **attributes)

@@ -7,9 +7,13 @@ and finished times on the rank's own clock).
 
 * `python -m mpicoll flight DIR`: where the ranks diverge.  A collective is
   identified by its communicator (name and members; each local device has its
-  own) and its sequence number on it; the first sequence number at which the
-  ranks called different things, or at which some rank is missing, is where the
-  job went wrong.
+  own) and its sequence number on it.  On each communicator, each member's last
+  record says how far it got: a member short of another's last sequence number
+  skipped a collective (or the other added one), one without a file had ended or
+  could not be asked, and the first sequence number at which the members called
+  different things is where their programs parted.  The ranks agree only where
+  every rank has a file and every communicator's members are at the same
+  sequence number, having called the same collectives.
 * `python -m mpicoll trace DIR`: the ranks merged onto rank 0's clock (the
   offsets were measured over MPI at start), each collective split into the
   wait for peers (from this rank's arrival to the last rank's) and the transfer
@@ -118,104 +122,224 @@ def _comm_title(comm, members):
 # --- The flight recorder: where the ranks diverge -----------------------------------------
 
 @dataclasses.dataclass
-class Divergence:
-    """The first sequence number on a communicator at which the ranks do not agree."""
+class Stream:
+    """One communicator (name and members) as the ranks' files show it: where each
+    member got to on it, and whether the members agree."""
     comm: str
     members: str
-    sequence: int
-    calls: dict      # rank -> Record at that sequence number
-    missing: dict    # rank -> its last Record on that communicator before it (or None)
-    no_file: list    # member ranks without a dump
+    last: dict       # member with a file -> its last Record here (None: none here)
+    no_file: list    # members without a file
+    differ_at: int   # the first sequence number at which members called different things
+    calls: dict      # rank -> its Record at differ_at ({} where they never differ)
+
+    @property
+    def top(self):
+        """The highest sequence number a member reached here."""
+        return max(r.sequence for r in self.last.values() if r is not None)
+
+    @property
+    def behind(self):
+        """{rank: its last Record here, or None} of the members with a file short of top."""
+        return {rank: r for rank, r in self.last.items() if r is None or r.sequence < self.top}
+
+    @property
+    def ahead(self):
+        """The members at top, where they are no more than those behind: one collective
+        more on them is likelier than one skipped by all the others.  [] otherwise."""
+        at_top = [rank for rank, r in self.last.items()
+                  if r is not None and r.sequence == self.top]
+        return at_top if self.behind and len(at_top) <= len(self.behind) else []
+
+    @property
+    def diverged(self):
+        return bool(self.no_file or self.behind or self.differ_at is not None)
+
+
+def streams(files):
+    """[Stream] of every communicator with a record in some file: those whose members
+    diverge first, each kind in the order first seen."""
+    by_rank = {f.rank: f for f in files}
+    size = max(f.size for f in files)
+    held = {}  # (comm, members) -> rank -> sequence -> Record
+    for f in files:
+        for r in f.records:
+            held.setdefault(r.stream, {}).setdefault(f.rank, {})[r.sequence] = r
+    found = []
+    for (comm, members), ranks in held.items():
+        # The members as the writer translated them to COMM_WORLD ranks (a rank it could
+        # not translate is left out; where none could be, those with records stand in).
+        listed = {int(m) for m in members.split(",") if m.strip().isdigit() and int(m) < size}
+        expected = sorted(listed | set(ranks))
+        # A member's ring keeps the latest of its records, so its last one here is the
+        # last it made here; one with a file but no record here has not called here (or
+        # not within the records its ring kept).
+        last = {m: ranks[m][max(ranks[m])] if m in ranks else None
+                for m in expected if m in by_rank}
+        differ_at, calls = None, {}
+        for sequence in sorted({s for kept in ranks.values() for s in kept}):
+            at = {m: kept[sequence] for m, kept in sorted(ranks.items()) if sequence in kept}
+            if len({r.call for r in at.values()}) > 1:
+                differ_at, calls = sequence, at
+                break
+        found.append(Stream(comm, members, last, [m for m in expected if m not in by_rank],
+                            differ_at, calls))
+    return [s for s in found if s.diverged] + [s for s in found if not s.diverged]
 
 
 def divergences(files):
-    """[Divergence] for each communicator whose ranks disagree or where one is missing,
-    earliest first (by sequence number of the divergence's first record's start)."""
-    by_rank = {f.rank: f for f in files}
-    streams = {}
-    for f in files:
-        for r in f.records:
-            streams.setdefault(r.stream, {}).setdefault(f.rank, {})[r.sequence] = r
-    found = []
-    for (comm, members), ranks in streams.items():
-        expected = [int(m) for m in members.split(",") if m.strip().lstrip("-").isdigit()]
-        present = [r for r in expected if r in by_rank]
-        no_file = [r for r in expected if r not in by_rank]
-        # A member with a file but no record here: it never called on this
-        # communicator in the window its ring holds.
-        highs = {r: max(ranks[r]) if r in ranks else 0 for r in present}
-        lows = {r: min(ranks[r]) for r in present if r in ranks}
-        start = max(lows.values()) if lows else 1
-        top = max(highs.values()) if highs else 0
-        for sequence in range(start, top + 1):
-            calls = {r: ranks[r][sequence] for r in present
-                     if r in ranks and sequence in ranks[r]}
-            missing = {r: _last_before(ranks.get(r, {}), sequence) for r in present
-                       if highs[r] < sequence}
-            signatures = {c.call for c in calls.values()}
-            if missing or len(signatures) > 1:
-                found.append(Divergence(comm, members, sequence, calls, missing, no_file))
-                break
-    return found
+    """[Stream] of each communicator whose members diverge: one called something else at
+    some sequence number, one is short of another's last, or one wrote no file."""
+    return [s for s in streams(files) if s.diverged]
 
 
-def _last_before(records, sequence):
-    earlier = [s for s in records if s < sequence]
-    return records[max(earlier)] if earlier else None
+def _runs(ranks):
+    """[0, 2, 3, 4] -> [[0], [2, 3, 4]]: the consecutive runs."""
+    runs = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return runs
 
 
-def _age(record, written_ns):
-    if record.finished_ns is None:
-        return f"not finished: in it for {(written_ns - record.started_ns) * 1e-9:.1f} s"
-    return f"finished {(written_ns - record.finished_ns) * 1e-9:.1f} s before the dump"
+def _ranks(ranks):
+    """[1] -> 'rank 1'; [0, 2, 3, 4] -> 'ranks 0, 2-4'."""
+    parts = []
+    for run in _runs(ranks):
+        parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _age(records, written):
+    """How long before the dump the records (all finished, or all not) finished or started:
+    'finished 0.1 s before the dump', 'not finished: in it for 3.9 to 4.0 s'."""
+    finished = records[0].finished_ns is not None
+    seconds = sorted({round((written[r.rank] - (r.finished_ns if finished else r.started_ns))
+                            * 1e-9, 1) for r in records})
+    span = f"{seconds[0]:.1f}" + (f" to {seconds[-1]:.1f}" if len(seconds) > 1 else "")
+    return (f"finished {span} s before the dump" if finished
+            else f"not finished: in it for {span} s")
 
 
 def _where(record):
     return f" at {record.site}" if record.site else ""
 
 
+def _grouped(records, key):
+    """{key(record): [records]} in the order of their lowest rank."""
+    groups = {}
+    for record in sorted(records, key=lambda r: r.rank):
+        groups.setdefault(key(record), []).append(record)
+    return groups
+
+
+def _no_file_reason(files, count):
+    """Why `count` ranks have no file, as far as the others' files say."""
+    its = "its process" if count == 1 else "their processes"
+    if all(f.reason == "SIGUSR1" for f in files):
+        return (f"{its} had ended, or {'was' if count == 1 else 'were'} not sent SIGUSR1 "
+                "(the files here were written for SIGUSR1; only a rank it is sent to writes "
+                "one)")
+    return f"{its} had ended or could not be asked"
+
+
+def _stream_lines(stream, by_rank):
+    """The lines of one communicator: what diverges (each rank behind or ahead named), then
+    each member's last collective there."""
+    written = {rank: f.written_ns for rank, f in by_rank.items()}
+    title = _comm_title(stream.comm, stream.members)
+    top = stream.top
+    if not stream.diverged:
+        lines = [f"{title}: the ranks agree, each at sequence {top}"]
+    else:
+        lines = [f"{title}: the ranks diverge"]
+    if stream.differ_at is not None:
+        lines.append(f"  at sequence {stream.differ_at} they called different collectives"
+                     + (f" (they agree up to {stream.differ_at - 1})"
+                        if stream.differ_at > 1 else "") + ":")
+        for group in _grouped(stream.calls.values(), lambda r: (r.call, r.site)).values():
+            lines.append(f"    {_ranks([r.rank for r in group])}: {group[0].call}"
+                         f"{_where(group[0])} ({_age(group, written)})")
+    ahead = stream.ahead
+    if len(ahead) == 1:
+        lines.append(f"  rank {ahead[0]} is at sequence {top} that no other rank reached")
+    elif ahead:
+        lines.append(f"  {_ranks(ahead)} are at sequence {top} that the other ranks did not "
+                     "reach")
+    behind = stream.behind
+    for rank in sorted(r for r, record in behind.items() if record is None):
+        f = by_rank[rank]
+        kept = (f"none of the {len(f.records)} records it kept is on this communicator"
+                if f.kept == "last" else "it has no record on this communicator")
+        lines.append(f"  rank {rank} has not reached sequence {top} ({kept})")
+    reached = [record for record in behind.values() if record is not None]
+    for group in _grouped(reached, lambda r: (r.sequence, r.call, r.site)).values():
+        ranks = [r.rank for r in group]
+        lines.append(f"  {_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached "
+                     f"sequence {top} ({'its' if len(ranks) == 1 else 'their'} last: sequence "
+                     f"{group[0].sequence}, {group[0].call}{_where(group[0])})")
+    if stream.no_file:
+        lines.append(f"  {_ranks(stream.no_file)}: no flight records "
+                     f"({_no_file_reason(by_rank.values(), len(stream.no_file))})")
+    indent = "  "
+    if stream.diverged:
+        lines.append("  each rank's last collective here:")
+        indent = "    "
+    present = [r for r in stream.last.values() if r is not None]
+    for group in _grouped(present, lambda r: (r.sequence, r.call, r.site,
+                                               r.finished_ns is None)).values():
+        lines.append(f"{indent}{_ranks([r.rank for r in group])}: sequence "
+                     f"{group[0].sequence}, {group[0].call}{_where(group[0])} "
+                     f"({_age(group, written)})")
+    return lines
+
+
 def flight_report(files):
-    """The text `python -m mpicoll flight DIR` prints; (text, whether the ranks diverge)."""
+    """The text `python -m mpicoll flight DIR` prints; (text, whether the ranks fall short
+    of agreeing).  They agree only where every rank wrote a file and, on every
+    communicator, every member is at the same sequence number, having called the same
+    collectives; otherwise the text names the ranks behind, ahead or without a file."""
     by_rank = {f.rank: f for f in files}
     size = max(f.size for f in files)
+    absent = sorted(set(range(size)) - set(by_rank))
+
+    heads = []  # (rank, its lines): each file, and each run of ranks without one
+    for f in files:
+        head = f"  rank {f.rank} ({f.host}): {len(f.records)} records, written for:"
+        reason = f.reason.strip("\n")
+        if "\n" in reason:  # a report of its own (the watchdog's): under the line, indented
+            heads.append((f.rank, [head] + [f"      {line}".rstrip()
+                                            for line in reason.splitlines()]))
+        else:
+            heads.append((f.rank, [f"{head} {reason}"]))
+    for run in _runs(absent):
+        heads.append((run[0], [f"  {_ranks(run)}: no flight records "
+                               f"({_no_file_reason(files, len(run))})"]))
     lines = [f"flight records of {len(files)} of {size} ranks "
              f"({os.path.dirname(files[0].path) or '.'}):"]
-    for f in files:
-        lines.append(f"  rank {f.rank} ({f.host}): {len(f.records)} records, written for: "
-                     f"{f.reason}")
-    absent = sorted(set(range(size)) - set(by_rank))
-    if absent:
-        lines.append(f"  no file from rank(s) {', '.join(map(str, absent))} (the process was "
-                     "gone or could not be asked; see the stall report)")
-    found = divergences(files)
-    if not found:
-        lines.append("the ranks agree: every communicator's sequence of collectives is the same "
-                     "on every rank that has a dump, and none of them is missing one")
-        return "\n".join(lines), False
-    for d in found:
+    for _, head in sorted(heads, key=lambda entry: entry[0]):
+        lines += head
+    found = streams(files)
+    for stream in found:
         lines.append("")
-        lines.append(f"{_comm_title(d.comm, d.members)}: the ranks diverge at sequence "
-                     f"{d.sequence}" + (f" (they agree up to {d.sequence - 1})"
-                                        if d.sequence > 1 else ""))
-        groups = {}
-        for rank, record in sorted(d.calls.items()):
-            groups.setdefault((record.call, record.site), []).append((rank, record))
-        for (call, site), members in groups.items():
-            ranks = ", ".join(str(r) for r, _ in members)
-            first = members[0][1]
-            lines.append(f"  rank {ranks}: {call}{_where(first)} "
-                         f"({_age(first, by_rank[members[0][0]].written_ns)})")
-        for rank, last in sorted(d.missing.items()):
-            if last is None:
-                lines.append(f"  rank {rank}: has not reached it (no earlier record on this "
-                             "communicator)")
-            else:
-                lines.append(f"  rank {rank}: has not reached it; its last: sequence "
-                             f"{last.sequence}, {last.call}{_where(last)} "
-                             f"({_age(last, by_rank[rank].written_ns)})")
-        for rank in d.no_file:
-            lines.append(f"  rank {rank}: no dump")
-    return "\n".join(lines), True
+        lines += _stream_lines(stream, by_rank)
+    lines.append("")
+    diverging = [s for s in found if s.diverged]
+    if diverging:
+        lines.append(f"the ranks diverge on {len(diverging)} of {len(found)} "
+                     f"communicator{'s' if len(found) > 1 else ''} (above)")
+    elif absent:
+        lines.append(f"the ranks are not known to agree: {_ranks(absent)} wrote no flight "
+                     "records, and the others' records do not say where "
+                     f"{'it' if len(absent) == 1 else 'they'} stopped")
+    elif not found:
+        lines.append("the ranks agree: no rank has a collective in its records")
+    else:
+        lines.append("the ranks agree: every rank wrote its records, and on every "
+                     "communicator every member is at the same sequence number, having called "
+                     "the same collectives")
+    return "\n".join(lines), bool(diverging or absent)
 
 
 # --- The timeline: merged onto one clock, wait and transfer -------------------------------

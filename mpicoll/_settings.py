@@ -12,7 +12,7 @@ measurements and tests.  `sources()` says where each value came from.
   MPICOLL_TIMEOUT              600 seconds; 0 = never                failures.py
   MPICOLL_STALL_REPORT         60 seconds; 0 = off                   failures.py
   MPICOLL_FLIGHT_RECORDS       1000 per local device; 0 = off        failures.py
-  MPICOLL_FLIGHT_DIR           mpicoll-flight (in the working directory at import)
+  MPICOLL_FLIGHT_DIR           a folder per job in tempfile.gettempdir() | a directory
   MPICOLL_TRACE                a directory: record the timeline there; unset = off
   MPICOLL_AUTODIFF             checked | convention
   MPICOLL_DISPATCH             default | device-order | tokens
@@ -35,7 +35,6 @@ DEFAULT_STALL_REPORT = 60.0
 # Each local device's last 1,000 collectives (about 150 B each) are kept for
 # the flight dumps (csrc/core/flight.h).
 DEFAULT_FLIGHT_RECORDS = 1000
-DEFAULT_FLIGHT_DIR = "mpicoll-flight"
 # The measurements behind these two are in _ranks_devices.py.
 DEFAULT_LOCAL_COMBINE_BYTES = 1024 * 1024
 DEFAULT_SPLIT_ALLREDUCE_BYTES = 256 * 1024
@@ -54,8 +53,10 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT
     stall_report: float = DEFAULT_STALL_REPORT
     flight_records: int = DEFAULT_FLIGHT_RECORDS
-    flight_dir: str = dataclasses.field(
-        default_factory=lambda: os.path.abspath(DEFAULT_FLIGHT_DIR))
+    # "": a folder of the job's own in tempfile.gettempdir(), which the extension
+    # names once the ranks have met (one name for every rank; not in the user's
+    # working directory); else the directory (absolute) the dumps are written to.
+    flight_dir: str = ""
     trace: str = ""  # "": no timeline; else the directory (absolute) it is written to
     autodiff: str = "checked"
     dispatch: str = "default"  # "default": device-order where JAX allows it, else tokens

@@ -17,6 +17,8 @@ frees the communicator.
 """
 
 import dataclasses
+import os
+import time
 
 import jax
 from mpi4py import MPI
@@ -122,9 +124,10 @@ def _register(comm, caller):
     slot = _generations[index] * _BUILD["max_comms"] + index
     name = comm.Get_name() or f"comm{slot}"
     per_device = []
-    # Collective, in the same order on every rank; watched by MPICOLL_TIMEOUT like
-    # a collective, since a rank that never gets here would hang the others.
-    extension.begin_setup(f"the first use of communicator {name} (MPI_Comm_dup)")
+    # Collective, in the same order on every rank; watched like a collective
+    # (the watchdog names the call that uses it first), since a rank that never
+    # gets here would hang the others.
+    extension.begin_setup(_first_call(caller), name, _world_ranks(comm))
     try:
         for device in range(local_devices):
             dup = comm.Dup()
@@ -142,24 +145,65 @@ def _register(comm, caller):
     return info
 
 
+def _first_call(caller):
+    """What a communicator's first use is for the watchdog: the collective and the
+    user's line that calls it."""
+    import traceback
+
+    mpicoll_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((mpicoll_dir, jax_dir)) and "/jax/" not in path \
+                and not frame.filename.startswith("<frozen"):
+            return f"{caller} (called at {path}:{frame.lineno} ({frame.name}))"
+    return caller
+
+
+def _world_ranks(comm):
+    """comm's members as COMM_WORLD ranks, "0,1,2" (what the flight records name)."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
+    return ",".join(str(r) for r in ranks)
+
+
 _side_channel = None
 
 
 def _open_side_channel(comm):
-    """At COMM_WORLD's first use (collective, like its duplicates): the private
-    duplicate on which the ranks' watchdogs ask each other what they are doing
-    (stall reports, csrc/core/watchdog.h)."""
+    """At COMM_WORLD's first use: the private duplicate on which the ranks'
+    watchdogs ask each other what they are doing (csrc/core/rank_state.h).
+    With MPI_THREAD_MULTIPLE it was opened at import without blocking, and is
+    open by now (every rank has passed COMM_WORLD's duplicates); in the
+    serialized mode it is made here, collectively, like the duplicates."""
     global _side_channel
-    if _side_channel is None and MPI.Comm.Compare(comm, MPI.COMM_WORLD) == MPI.IDENT:
+    if _side_channel is not None or MPI.Comm.Compare(comm, MPI.COMM_WORLD) != MPI.IDENT \
+            or MPI.COMM_WORLD.Get_size() == 1:  # nobody to ask
+        return
+    if _native.SERIALIZED:
         _side_channel = MPI.COMM_WORLD.Dup()
         _side_channel.Set_name("mpicoll:watchdog")
         _side_channel.Set_errhandler(MPI.ERRORS_RETURN)
         # Every rank's host, so that a report names the host of a rank that
-        # cannot answer (its host is gone).
-        extension.set_host_names(_side_channel.allgather(MPI.Get_processor_name()))
-        if _settings.current().trace:
-            extension.set_clock_offset(_clock_offset(_side_channel))
+        # cannot answer (its host is gone), and rank 0's pid (the job's folder).
+        extension.set_world_processes(
+            _side_channel.allgather((MPI.Get_processor_name(), os.getpid())))
         extension.set_side_channel(_side_channel.handle)
+    else:
+        for _ in range(60000):  # the watchdog completes it within a few of its ticks
+            handle = extension.side_channel_handle()
+            if handle is not None:
+                break
+            time.sleep(0.001)
+        else:
+            raise RuntimeError("mpicoll: the watchdogs' side channel did not open in 60 s")
+        _side_channel = MPI.Comm.fromhandle(handle)
+    if _settings.current().trace:
+        extension.set_clock_offset(_clock_offset(_side_channel))
 
 
 _OFFSET_ROUNDS = 16

@@ -25,13 +25,15 @@
 """
 
 import atexit
+import os
 import sys
+import tempfile
 import threading
 import traceback
 
 from mpi4py import MPI
 
-from . import _compat, _settings
+from . import _compat, _native, _settings
 from ._native import extension
 
 
@@ -192,10 +194,10 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "
                          f"{world.Get_size()}{where}; aborting the job\n{text}")
-        flight = _settings.current()
-        if flight.flight_records:
-            sys.stderr.write(f"mpicoll: the ranks' last collectives: {flight.flight_dir}/"
-                             f"rank*.json (python -m mpicoll flight {flight.flight_dir})\n")
+        if _settings.current().flight_records:
+            folder = extension.flight_dir()
+            sys.stderr.write(f"mpicoll: the ranks' last collectives: {folder}/"
+                             f"rank*.json (python -m mpicoll flight {folder})\n")
     sys.stderr.flush()
     extension.abort_job(1)  # MPI_Abort, once the launcher has had time to forward the report
 
@@ -242,10 +244,76 @@ def configure(settings):
     set_check_mode(settings.check)
     set_timeout(settings.timeout)
     set_stall_report(settings.stall_report)
-    extension.set_flight(settings.flight_records, settings.flight_dir)
+    extension.set_flight(settings.flight_records, settings.flight_dir, tempfile.gettempdir())
     extension.set_trace(settings.trace)
     # Registered after mpi4py's MPI_Finalize handler, so they run before it
-    # (the timeline first: atexit runs the last registered first).
+    # (atexit runs the last registered first: the end notice, the timeline,
+    # then the watchdog's stop).
     atexit.register(extension.stop_watchdog)
     if settings.trace:
         atexit.register(_write_trace_at_exit)
+    if world_size > 1 and not _native.SERIALIZED:
+        extension.open_side_channel()
+        atexit.register(_announce_finished)
+        _watch_process_exit()
+
+
+# --- Ranks that end: the others' watchdogs hold their waits against it --------------------
+#
+# A rank whose script finishes (or that exits) while another waits for it in a
+# collective would leave that rank waiting until MPICOLL_TIMEOUT.  So it tells
+# every rank its last calls and where it ended; a rank waiting for it ends the
+# job at once with a report naming both (csrc/core/watchdog.h).
+
+def _script_frame():
+    """The __main__ module's frame (the user's script), or None (an interactive session)."""
+    main = sys.modules.get("__main__")
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and main is not None \
+                and frame.f_globals is getattr(main, "__dict__", None):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+# Held from import on: once the script has run, its frame's line is the last
+# one it ran (where it finished, or where an uncaught SystemExit left it).
+_SCRIPT_FRAME = _script_frame()
+_PROCESS = os.getpid()
+
+
+def _ended_at():
+    frame = _SCRIPT_FRAME
+    if frame is None:
+        return ""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _announce_finished():
+    import jax
+
+    jax.effects_barrier()  # its queued collectives are its calls too
+    extension.announce_end(1, 0, _ended_at())
+
+
+def _watch_process_exit():
+    """os._exit skips atexit: wrap it so that the process tells the others first
+    (a forked child, which must not touch MPI, calls the original)."""
+    original = os._exit
+    if getattr(original, "_mpicoll_original", None) is not None:
+        return
+
+    def _exit(code):
+        if os.getpid() == _PROCESS:
+            try:
+                caller = sys._getframe(1)
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                extension.announce_end(2, int(code), f"{where} (os._exit)")
+            except Exception:  # the process is exiting: nothing may stop it
+                pass
+        original(code)
+
+    _exit._mpicoll_original = original
+    _exit.__doc__ = original.__doc__
+    os._exit = _exit

@@ -16,6 +16,7 @@ Tests that start MPI jobs of their own use `run_mpiexec`; they run only in the
 serial suite (`serial_only`).
 """
 
+import atexit
 import dataclasses
 import os
 import shutil
@@ -27,11 +28,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-# Jobs that stall or abort write their flight records (MPICOLL_FLIGHT_DIR,
-# default ./mpicoll-flight): into a temporary directory, not the checkout.
-os.environ.setdefault("MPICOLL_FLIGHT_DIR", tempfile.mkdtemp(prefix="mpicoll-flight-"))
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)  # the 64-bit dtypes need it
 
@@ -39,6 +36,31 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+
+
+def _suite_flight_dir():
+    """Where the suite's ranks, and the jobs its tests launch (run_mpiexec passes the
+    environment on), write their flight records: one temporary directory for the whole
+    run, removed when this process exits, unless MPICOLL_FLIGHT_DIR names one already.
+
+    Set before mpicoll is imported (it reads its settings then).  Under `mpiexec ...
+    pytest --with-mpi` rank 0 makes it and tells the others (one bcast, on every rank
+    alike), so a stall report's `python -m mpicoll flight DIR` finds every rank's file
+    there.  A run that aborts (MPI_Abort, a kill) does not reach the removal, and leaves
+    the records that the report names.
+    """
+    world = MPI.COMM_WORLD
+    made = None
+    if world.Get_rank() == 0 and not os.environ.get("MPICOLL_FLIGHT_DIR"):
+        made = tempfile.mkdtemp(prefix="mpicoll-flight-")
+    made = world.bcast(made, root=0)
+    if made is not None:
+        os.environ["MPICOLL_FLIGHT_DIR"] = made
+        # Every rank: on another host the directory is that host's own.
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
+
+
+_suite_flight_dir()
 
 import mpicoll  # noqa: E402
 

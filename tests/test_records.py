@@ -1,15 +1,20 @@
 """Reading the flight recorder's dumps and the timeline (mpicoll/_records.py) on
-records made up here, where the answer is known; and XLA's own profiler naming
-mpicoll's calls.  The jobs that write real records are in test_watchdog.py."""
+records made up here (one rank<r>.json per rank, as csrc/core/flight.h writes them),
+where the answer is known; and XLA's own profiler naming mpicoll's calls.  The jobs that
+write real records are in test_watchdog.py."""
 
 import glob
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import mpicoll
+from conftest import _LAUNCHER_PREFIXES
 from mpicoll import _records
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
@@ -25,20 +30,135 @@ def _event(rank, sequence, call, started, finished, comm=WORLD, members="0,1,2",
                      "failed": False}}
 
 
-def _write(directory, rank, events, offset=0, written=10_000_000_000, size=3):
+def _write(directory, rank, events, offset=0, written=10_000_000_000, size=3, reason="test"):
     data = {"otherData": {"mpicoll": 1, "rank": rank, "size": size, "host": f"node{rank}",
-                          "reason": "test", "written_ns": written, "clock_offset_ns": offset,
+                          "reason": reason, "written_ns": written, "clock_offset_ns": offset,
                           "kept": "last"},
             "traceEvents": events}
     (directory / f"rank{rank}.json").write_text(json.dumps(data))
 
 
+def _flight(directory):
+    """`python -m mpicoll flight DIR` as a user runs it: (exit status, output).  A process
+    of its own, outside any launcher's job (under `mpiexec ... pytest --with-mpi` each rank
+    runs its own)."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(_LAUNCHER_PREFIXES)}
+    done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _allreduces(rank, last, running=None, members="0,1,2"):
+    """Sequences 1..last of allreduce on WORLD, each started at second s and finished
+    0.2 s later, but `running` (a sequence number) not finished at the dump (second 10)."""
+    return [_event(rank, s, "allreduce(float32[4])", s * 10**9,
+                   None if s == running else s * 10**9 + 200_000_000, members=members)
+            for s in range(1, last + 1)]
+
+
 def test_ranks_that_agree_are_said_to(tmp_path):
     for rank in range(3):
-        _write(tmp_path, rank, [_event(rank, s, "allreduce(float32[4])", s * 1000, s * 1000 + 50)
-                                for s in range(1, 6)])
+        _write(tmp_path, rank, _allreduces(rank, 5))
+    status, text = _flight(tmp_path)
+    assert status == 0, text
+    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks agree, each at sequence 5\n"\
+        "  ranks 0-2: sequence 5, allreduce(float32[4]) at job.py:5 (finished 4.8 s before the "\
+        "dump)" in text, text
+    assert text.endswith("the ranks agree: every rank wrote its records, and on every "
+                         "communicator every member is at the same sequence number, having "
+                         "called the same collectives\n"), text
+
+
+def test_a_rank_that_skipped_a_collective_is_named_behind(tmp_path):
+    # Ranks 0 and 2 wait in sequence 6; rank 1 skipped it and finished its script, but
+    # was asked for its records before it ended.
+    for rank in range(3):
+        _write(tmp_path, rank, _allreduces(rank, 5) if rank == 1
+               else _allreduces(rank, 6, running=6))
+    status, text = _flight(tmp_path)
+    assert status == 1, text
+    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks diverge\n" \
+        "  rank 1 has not reached sequence 6 (its last: sequence 5, allreduce(float32[4]) at " \
+        "job.py:5)\n" in text, text
+    assert "  each rank's last collective here:\n" \
+        "    ranks 0, 2: sequence 6, allreduce(float32[4]) at job.py:6 (not finished: in it " \
+        "for 4.0 s)\n" \
+        "    rank 1: sequence 5, allreduce(float32[4]) at job.py:5 (finished 4.8 s before the " \
+        "dump)\n" in text, text
+    assert "is at sequence" not in text and "agree" not in text, text  # two of three are at 6
+    assert text.endswith("the ranks diverge on 1 of 1 communicator (above)\n"), text
+
+
+def test_a_rank_without_a_file_is_a_divergence(tmp_path):
+    # Rank 1 finished its script (it wrote nothing) while ranks 0 and 2 wait in sequence 6.
+    for rank in (0, 2):
+        _write(tmp_path, rank, _allreduces(rank, 6, running=6))
+    files = _records.load(tmp_path)
+    [stream] = _records.divergences(files)
+    assert stream.no_file == [1] and not stream.behind and stream.top == 6
+    text, diverged = _records.flight_report(files)
+    assert diverged, text
+    assert "flight records of 2 of 3 ranks" in text
+    assert "  rank 0 (node0): 6 records, written for: test\n" \
+        "  rank 1: no flight records (its process had ended or could not be asked)\n" \
+        "  rank 2 (node2): 6 records, written for: test\n" in text, text
+    assert "the ranks diverge\n" \
+        "  rank 1: no flight records (its process had ended or could not be asked)\n" in text
+    assert "agree" not in text, text
+    # And at the command line: exit 1.
+    assert _flight(tmp_path) == (1, text + "\n")
+
+
+def test_a_rank_with_a_file_but_no_record_on_a_communicator_has_not_reached_it(tmp_path):
+    # Rank 2 never called on comm7 (ranks 0 and 1 are in its first collective).
+    split = "mpicoll:comm7:device0"
+    for rank in range(3):
+        events = _allreduces(rank, 2)
+        if rank != 2:
+            events.append(_event(rank, 1, "allgather(float32[4])", 3 * 10**9, None, comm=split))
+        _write(tmp_path, rank, events)
     text, diverged = _records.flight_report(_records.load(tmp_path))
-    assert not diverged and "the ranks agree" in text, text
+    assert diverged
+    assert "comm7, local device 0 (ranks 0,1,2): the ranks diverge\n" \
+        "  rank 2 has not reached sequence 1 (none of the 2 records it kept is on this " \
+        "communicator)\n" in text, text
+    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks agree, each at sequence 2"\
+        in text
+    # The communicators that diverge come first.
+    assert text.index("comm7") < text.index("MPI_COMM_WORLD"), text
+    assert text.endswith("the ranks diverge on 1 of 2 communicators (above)"), text
+
+
+def test_a_rank_that_added_a_collective_is_named_ahead(tmp_path):
+    # Rank 0 called one allreduce more than ranks 1 and 2 (which were asked while they
+    # were in Python, between collectives).
+    for rank in range(3):
+        _write(tmp_path, rank, _allreduces(rank, 6, running=6) if rank == 0
+               else _allreduces(rank, 5))
+    status, text = _flight(tmp_path)
+    assert status == 1, text
+    assert "the ranks diverge\n" \
+        "  rank 0 is at sequence 6 that no other rank reached\n" \
+        "  ranks 1, 2 have not reached sequence 6 (their last: sequence 5, " \
+        "allreduce(float32[4]) at job.py:5)\n" in text, text
+    assert "    rank 0: sequence 6, allreduce(float32[4]) at job.py:6 (not finished: in it " \
+        "for 4.0 s)\n" in text, text
+    assert "agree" not in text, text
+
+
+def test_a_multi_line_reason_is_printed_under_its_rank(tmp_path):
+    report = ("mpicoll: the ranks diverge on MPI_COMM_WORLD\n"
+              "  rank 1 has not reached sequence 6\n")
+    for rank in range(2):
+        _write(tmp_path, rank, _allreduces(rank, 5, members="0,1"), size=2,
+               reason=report if rank == 0 else "asked by rank 0")
+    text, diverged = _records.flight_report(_records.load(tmp_path))
+    assert not diverged, text
+    assert "  rank 0 (node0): 5 records, written for:\n" \
+        "      mpicoll: the ranks diverge on MPI_COMM_WORLD\n" \
+        "        rank 1 has not reached sequence 6\n" \
+        "  rank 1 (node1): 5 records, written for: asked by rank 0\n" in text, text
 
 
 def test_the_first_sequence_where_calls_differ_or_a_rank_is_missing_is_named(tmp_path):
@@ -58,18 +178,20 @@ def test_the_first_sequence_where_calls_differ_or_a_rank_is_missing_is_named(tmp
         data["traceEvents"] += events
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(data))
     found = {d.comm: d for d in _records.divergences(_records.load(tmp_path))}
-    assert found[WORLD].sequence == 3 and not found[WORLD].missing
+    assert found[WORLD].differ_at == 3 and not found[WORLD].behind
     assert {r: c.call for r, c in found[WORLD].calls.items()} == {
         0: "allreduce(float32[4])", 1: "allgather(float32[4])", 2: "allreduce(float32[4])"}
-    assert found[split].sequence == 2 and set(found[split].calls) == {0, 1}
-    assert found[split].missing[2].sequence == 1
+    assert found[split].differ_at is None and found[split].top == 2
+    assert found[split].behind[2].sequence == 1
     text, diverged = _records.flight_report(_records.load(tmp_path))
     assert diverged
-    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks diverge at sequence 3" in text
-    assert "rank 1: allgather(float32[4]) at job.py:3" in text
-    assert "rank 0, 2: allreduce(float32[4]) at job.py:3" in text
-    assert "comm7, local device 0 (ranks 0,1,2): the ranks diverge at sequence 2" in text
-    assert "rank 2: has not reached it; its last: sequence 1, allreduce(float32[4])" in text
+    assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks diverge\n" \
+        "  at sequence 3 they called different collectives (they agree up to 2):\n" in text
+    assert "    rank 1: allgather(float32[4]) at job.py:3" in text
+    assert "    ranks 0, 2: allreduce(float32[4]) at job.py:3" in text
+    assert "comm7, local device 0 (ranks 0,1,2): the ranks diverge" in text
+    assert "  rank 2 has not reached sequence 2 (its last: sequence 1, allreduce(float32[4]) " \
+        "at job.py:1)" in text, text
 
 
 def test_a_directory_without_dumps_is_a_clear_error(tmp_path):

@@ -20,6 +20,9 @@ def test_defaults_when_nothing_is_set():
     assert settings.stall_report == 60
     assert settings.local_combine_bytes == 1 << 20
     assert settings.split_allreduce_bytes == 256 << 10
+    # The flight records go to a folder of the job's own in the temporary directory
+    # (the extension names it), never into the working directory.
+    assert settings.flight_dir == ""
     assert set(sources.values()) == {"default"}
 
 

@@ -6,7 +6,8 @@ is the only place to change.  Each helper states what it needs from JAX.
   core            effects, ordering tokens, lowering registration, eager evaluation
   transforms      vmap, JVP and transpose rule tables
   mesh            manual mesh axes: varying types, JAX's pvary, lax collectives
-  dispatch_hooks  runtime tokens and program lowering (the device-order dispatch)
+  dispatch_hooks  runtime tokens and program lowering (the device-order dispatch), and
+                  the exception type of errors on jit's C++ fast path
 """
 
 from .core import (  # noqa: F401
@@ -25,4 +26,5 @@ from .mesh import (  # noqa: F401
     varying_axes, with_varying_axes)
 from . import dispatch_hooks  # noqa: F401
 from .dispatch_hooks import (  # noqa: F401
-    complete_dispatches_with, install_runtime_token_fast_path, runtime_token_methods)
+    complete_dispatches_with, install_runtime_token_fast_path, runtime_error_from_fast_path,
+    runtime_token_methods)

@@ -296,3 +296,26 @@ def token_from_shards(token, shards):
     array = token._buf
     return _core.Token(jax.make_array_from_single_device_arrays(array.shape, array.sharding,
                                                                 shards))
+
+
+# --- errors on jit's C++ fast path ------------------------------------------------
+# A program that fails while XLA runs it at dispatch (on CPU, a program under ~1000
+# flops whose device is idle runs inline) raises jax.errors.JaxRuntimeError on JAX's
+# Python path (a program's first call), but ValueError with the same text from jit's
+# C++ fast path (a call from JAX's cache): jaxlib's PjitFunction vectorcall turns a
+# failed status into ValueError (jax-ml/jax#34083, up to at least jaxlib 0.10.2).
+# A program that runs asynchronously reports the error when its result is read, as
+# JaxRuntimeError on both paths.
+_STATUS_TEXT = re.compile(
+    r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+    r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+    r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
+
+
+def runtime_error_from_fast_path(error):
+    """The jax.errors.JaxRuntimeError that JAX's Python path raises for what jit's fast
+    path raised as `error` (a ValueError whose text is an XLA status, "INTERNAL: ...");
+    None for any other error."""
+    if type(error) is ValueError and _STATUS_TEXT.match(str(error)):
+        return jax.errors.JaxRuntimeError(str(error))
+    return None

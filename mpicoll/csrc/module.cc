@@ -359,22 +359,31 @@ PyObject* ComparisonsMade(PyObject*, PyObject*) {
   return PyLong_FromLongLong(comparisons_made.load());
 }
 
-// (slot, device, description) -> "" or the mismatch message (see CompareAcrossRanks).
+// (slot, device, description) -> "" or the mismatch message: a call that this
+// rank rejected while the others may run it, compared as the call in its
+// place (the next sequence number on that communicator), so that the others'
+// checks meet it, or the watchdog names it beside their calls.
 PyObject* CompareCall(PyObject*, PyObject* args) {
   long long slot;
   int device;
   const char* description;
   if (!PyArg_ParseTuple(args, "Lis", &slot, &device, &description)) return nullptr;
-  const DeviceComm* entry = LookupComm(slot, device);
-  if (entry == nullptr) {
+  Call c{};
+  c.name = "rejected call";
+  if (Resolve(c, device, slot).failure()) {
     PyErr_SetString(PyExc_ValueError, "mpicoll: no communicator registered for this slot");
     return nullptr;
   }
+  const std::string text = description;
   std::string message;
   Py_BEGIN_ALLOW_THREADS
   {  // released before the GIL is taken back
     SerializedMpiScope serialized;
-    message = CompareAcrossRanks(entry->comm, entry->rank, entry->size, description);
+    CheckPlan plan = PlanCheck(c, device, [&] { return text; });
+    plan.check = c.size > 1;
+    InFlightScope watched(c, device, /*new_call=*/true, /*queued_ns=*/0, plan.facts);
+    ffi::Error result = CheckSameCall(c, device, plan, watched);
+    if (result.failure()) message = std::string(result.message());
   }
   Py_END_ALLOW_THREADS
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));

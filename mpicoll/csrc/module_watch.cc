@@ -8,6 +8,8 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -38,7 +40,8 @@ PyObject* SetStallReport(PyObject*, PyObject* arg) {
   return SetWatchdogSeconds(arg, stall_report_seconds);
 }
 
-// The watchdogs' private duplicate of COMM_WORLD (made once, collectively, in Python).
+// The watchdogs' private duplicate of COMM_WORLD, made in Python at
+// COMM_WORLD's first use in the serialized mode.
 PyObject* SetSideChannel(PyObject*, PyObject* arg) {
   unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return nullptr;
@@ -46,12 +49,46 @@ PyObject* SetSideChannel(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// At import (MPI_THREAD_MULTIPLE): start duplicating COMM_WORLD for the side
+// channel without blocking; the watchdog completes it (rank_state.h).
+PyObject* OpenSideChannel(PyObject*, PyObject*) {
+  NoteWorld();
+  BeginOpeningSideChannel();
+  StartWatchdog();
+  Py_RETURN_NONE;
+}
+
+// The side channel's handle once it is open, else None.
+PyObject* SideChannelHandle(PyObject*, PyObject*) {
+  const MPI_Comm comm = side_channel.load();
+  if (comm == MPI_COMM_NULL) Py_RETURN_NONE;
+  return PyLong_FromUnsignedLongLong(IntegerFromHandle(comm));
+}
+
+// announce_end(ending, exit code, where): this rank's script finished (1) or
+// its process exits (2); see AnnounceEnd.
+PyObject* PyAnnounceEnd(PyObject*, PyObject* args) {
+  int ending, code;
+  const char* where;
+  if (!PyArg_ParseTuple(args, "iis", &ending, &code, &where)) return nullptr;
+  const std::string text = where;
+  Py_BEGIN_ALLOW_THREADS
+  AnnounceEnd(ending, code, text);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// describe_site(site, "file:line (function)", compared): compared=False for an
+// eager call's site (JAX caches its program by signature, so the line is its
+// first caller's): every-call checks then leave the site out.
 PyObject* DescribeSite(PyObject*, PyObject* args) {
   long long site;
   const char* text;
-  if (!PyArg_ParseTuple(args, "Ls", &site, &text)) return nullptr;
+  int compared = 1;
+  if (!PyArg_ParseTuple(args, "Ls|p", &site, &text, &compared)) return nullptr;
   std::lock_guard<std::mutex> lock(site_mutex);
   site_descriptions[site] = text;
+  if (!compared) uncompared_sites.insert(site);
   Py_RETURN_NONE;
 }
 
@@ -73,15 +110,23 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
 }
 
 // The flight recorder and the timeline (core/flight.h): set once, at import,
-// before the first collective.  set_flight(records per device, dump directory).
+// before the first collective.  set_flight(records per device, dump
+// directory, root): with dir "", a folder for the job under root (the
+// temporary directory), named when the ranks have met; this process's own until then.
 PyObject* SetFlight(PyObject*, PyObject* args) {
   long long capacity;
   const char* dir;
-  if (!PyArg_ParseTuple(args, "Ls", &capacity, &dir)) return nullptr;
+  const char* root;
+  if (!PyArg_ParseTuple(args, "Lss", &capacity, &dir, &root)) return nullptr;
   const long long most = static_cast<long long>(kChunkRecords * kMaxChunks);
   {
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
     flight_dir = dir;
+    flight_root = dir[0] ? "" : root;
+  }
+  if (!dir[0]) {
+    const ProcessId me = ThisProcess();
+    ChooseJobFlightDir(me.host, me.pid);
   }
   flight_capacity.store(capacity < 0 ? 0 : std::min(capacity, most));
   NoteWorld();
@@ -109,22 +154,32 @@ PyObject* SetClockOffset(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyObject* SetHostNames(PyObject*, PyObject* arg) {
-  PyObject* items = PySequence_Fast(arg, "set_host_names: a sequence of str");
+// set_world_processes([(host, pid), ...]) in rank order (the serialized mode's
+// side channel gathers them in Python).
+PyObject* SetWorldProcessesPy(PyObject*, PyObject* arg) {
+  PyObject* items = PySequence_Fast(arg, "set_world_processes: a sequence of (host, pid)");
   if (!items) return nullptr;
-  std::vector<std::string> hosts;
+  std::vector<ProcessId> all;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
-    const char* host = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(items, i));
-    if (!host) {
+    const char* host;
+    long long pid;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(items, i), "sL", &host, &pid)) {
       Py_DECREF(items);
       return nullptr;
     }
-    hosts.emplace_back(host);
+    all.emplace_back();
+    Copy(all.back().host, sizeof(all.back().host), host);
+    all.back().pid = pid;
   }
   Py_DECREF(items);
-  std::lock_guard<std::mutex> lock(hosts_mutex);
-  world_hosts = std::move(hosts);
+  SetWorldProcesses(all);
   Py_RETURN_NONE;
+}
+
+// The flight records' folder now (it is chosen for the job when the ranks meet).
+PyObject* FlightDir(PyObject*, PyObject*) {
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  return PyUnicode_FromString(flight_dir.c_str());
 }
 
 // write_trace(reason) / dump_flight(reason) -> whether a file was written.
@@ -162,14 +217,24 @@ PyObject* PyAbortJob(PyObject*, PyObject* arg) {
   AbortJob(static_cast<int>(code));
 }
 
-// Python's collective communicator setup, watched like a collective.
+// Python's collective communicator setup, watched like a collective:
+// begin_setup(the call that uses it first, the communicator's name, its
+// members' COMM_WORLD ranks as "0,1,2").
 PyObject* BeginSetup(PyObject*, PyObject* args) {
-  const char* description;
-  if (!PyArg_ParseTuple(args, "s", &description)) return nullptr;
+  const char* call;
+  const char* name;
+  const char* members;
+  if (!PyArg_ParseTuple(args, "sss", &call, &name, &members)) return nullptr;
   InFlight& slot = in_flight[kSetupSlot];
   slot.started_ns.store(0);
-  setup_description = description;
-  slot.name.store(setup_description.c_str());
+  {
+    std::lock_guard<std::mutex> lock(setup_mutex);
+    setup_call = call;
+    setup_comm = name;
+    // Device 0's duplicate's identity (comm.py names it so).
+    setup_identity = CommIdentity{std::string("mpicoll:") + name + ":device0", members};
+  }
+  slot.name.store("communicator setup");
   slot.started_ns.store(NowNs());
   Py_RETURN_NONE;
 }
@@ -187,13 +252,23 @@ PyMethodDef watch_methods[] = {
      "Report a collective that waits longer than this, for the whole job (0 = off)."},
     {"set_side_channel", SetSideChannel, METH_O,
      "The communicator (handle) the watchdogs ask each other's state on."},
-    {"describe_site", DescribeSite, METH_VARARGS, "(site, where it was traced) for reports."},
+    {"describe_site", DescribeSite, METH_VARARGS,
+     "(site, where it was traced, whether every-call checks compare it) for reports."},
     {"set_flight", SetFlight, METH_VARARGS,
-     "(records kept per device, 0 = off; directory the dumps go to)."},
+     "(records kept per device, 0 = off; directory the dumps go to, '' = a folder for the "
+     "job under the third argument)."},
     {"set_trace", SetTrace, METH_O, "Keep every record, written to this directory ('' = off)."},
     {"set_clock_offset", SetClockOffset, METH_O,
      "Rank 0's clock minus this rank's, in ns (written with the records)."},
-    {"set_host_names", SetHostNames, METH_O, "Every rank's host name, in rank order."},
+    {"set_world_processes", SetWorldProcessesPy, METH_O,
+     "Every rank's (host, pid), in rank order."},
+    {"flight_dir", FlightDir, METH_NOARGS, "The folder flight records are written to now."},
+    {"open_side_channel", OpenSideChannel, METH_NOARGS,
+     "Start opening the watchdogs' side channel (MPI_THREAD_MULTIPLE, at import)."},
+    {"side_channel_handle", SideChannelHandle, METH_NOARGS,
+     "The side channel's MPI handle once open, else None."},
+    {"announce_end", PyAnnounceEnd, METH_VARARGS,
+     "(ending, exit code, where): this rank's script finished (1) or its process exits (2)."},
     {"write_trace", PyWriteTrace, METH_O, "Write the timeline's records now (reason)."},
     {"dump_flight", PyDumpFlight, METH_O, "Write the flight recorder's records now (reason)."},
     {"now_ns", PyNowNs, METH_NOARGS, "The records' clock, in ns."},

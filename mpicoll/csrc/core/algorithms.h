@@ -269,13 +269,15 @@ inline int AlltoallvWhole(const Call& c, const Chunk&) {
 // whether any pair disagrees, so all of them fail together.
 inline int VerifyPairCounts(const Call& c) {
   std::vector<int64_t> incoming(c.size);
-  int rc = MPI_Alltoall(c.args + 1, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T, c.comm);
+  // On the checks' communicator, like every check (guard.h's CheckComm).
+  const MPI_Comm comm = c.internal_comm != MPI_COMM_NULL ? c.internal_comm : c.comm;
+  int rc = MPI_Alltoall(c.args + 1, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T, comm);
   int wrong = -1;
   for (int j = 0; rc == MPI_SUCCESS && j < c.size && wrong < 0; ++j) {
     if (incoming[j] != c.args[1 + c.size + j]) wrong = j;
   }
   int any = wrong >= 0;
-  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, c.comm);
+  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm);
   if (rc != MPI_SUCCESS || !any) return rc;
   c.failure = std::string("mpicoll check mode: ") + c.name + " counts disagree on " +
               CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "): " +

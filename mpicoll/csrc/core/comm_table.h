@@ -87,6 +87,15 @@ Handle HandleFromInteger(unsigned long long value) {
   }
 }
 
+template <typename Handle>
+unsigned long long IntegerFromHandle(Handle handle) {
+  if constexpr (std::is_pointer_v<Handle>) {
+    return static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(handle));
+  } else {
+    return static_cast<unsigned long long>(handle);
+  }
+}
+
 // Stores `comm` as (key, device), with its rank, size and internal duplicate.
 // Collective over `comm`, like the Python MPI_Comm_dup this follows (same
 // order on every rank).  Returns an MPI code.

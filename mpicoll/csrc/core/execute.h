@@ -58,12 +58,12 @@ struct NothingBeforeRun {
 // ops take no part (only two ranks of the communicator are in a message):
 // with every-call checks their bodies check each message instead.  alltoallv
 // also compares its counts pairwise.
-template <typename Op, typename Describe>
-ffi::Error CheckCall(const Call& c, int32_t device, Describe&& describe) {
+template <typename Op>
+ffi::Error CheckCall(const Call& c, int32_t device, const CheckPlan& plan,
+                     const InFlightScope& watched) {
   if constexpr (Op::kFamily == kPeer) return ffi::Error::Success();
-  if (!NeedsCheck(c, device)) return ffi::Error::Success();
-  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, describe());
-  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
+  if (!plan.check) return ffi::Error::Success();
+  if (ffi::Error err = CheckSameCall(c, device, plan, watched); err.failure()) return err;
   if constexpr (Op::kFamily == kVectorPairs) {
     if (int rc = VerifyPairCounts(c); rc == kCheckFailed) {
       return ffi::Error::Internal(c.failure);
@@ -71,7 +71,6 @@ ffi::Error CheckCall(const Call& c, int32_t device, Describe&& describe) {
       return MpiFailure(c, rc);
     }
   }
-  MarkChecked(c, device);
   return ffi::Error::Success();
 }
 
@@ -147,9 +146,11 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,
                    BeforeRun&& before_run = {}) {
   progress_threads[device].Drain();
   SerializedMpiScope serialized;
-  InFlightScope watched(c, device, /*new_call=*/true, c.queued_ns);
+  CheckPlan plan = PlanCheck(c, device, describe);
+  if constexpr (Op::kFamily == kPeer) plan.check = false;
+  InFlightScope watched(c, device, /*new_call=*/true, c.queued_ns, plan.facts);
   ffi::Error result = [&] {
-    if (ffi::Error err = CheckCall<Op>(c, device, describe); err.failure()) return err;
+    if (ffi::Error err = CheckCall<Op>(c, device, plan, watched); err.failure()) return err;
     // Rank blocks have the same shapes on every rank, so an empty array skips MPI
     // on every rank (counts and messages may be empty on one rank only).
     if (Op::kFamily == kBlocks && c.in_count == 0 && c.out_count == 0) {

@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <set>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -198,6 +199,12 @@ inline std::string JsonString(const std::string& text) {
 // Call sites as the user's source lines (set from Python when a call is lowered).
 inline std::mutex site_mutex;
 inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line (function)"
+inline std::set<int64_t> uncompared_sites;                // eager calls' (module_watch.cc)
+
+inline bool SiteCompared(int64_t site) {
+  std::lock_guard<std::mutex> lock(site_mutex);
+  return uncompared_sites.count(site) == 0;
+}
 
 inline std::string SiteText(int64_t site) {
   std::lock_guard<std::mutex> lock(site_mutex);
@@ -218,16 +225,18 @@ inline std::string& HostName() {
 // was written.  Times in microseconds on this process's steady clock.
 inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason) {
   const int64_t now = NowNs();
-  char head[512];
-  std::snprintf(head, sizeof(head),
-                "{\"displayTimeUnit\": \"ns\", \"otherData\": {\"mpicoll\": 1, \"rank\": %d, "
-                "\"size\": %d, \"host\": %s, \"reason\": %s, \"written_ns\": %lld, "
-                "\"clock_offset_ns\": %lld, \"kept\": %s},\n\"traceEvents\": [\n",
-                world_rank, world_size, JsonString(HostName()).c_str(),
-                JsonString(reason).c_str(), static_cast<long long>(now),
-                static_cast<long long>(clock_offset_ns.load()),
+  // The reason may be a whole report: it is joined as a string, not formatted
+  // into a fixed buffer.
+  char rest[256];
+  std::snprintf(rest, sizeof(rest),
+                ", \"written_ns\": %lld, \"clock_offset_ns\": %lld, \"kept\": %s},\n"
+                "\"traceEvents\": [\n",
+                static_cast<long long>(now), static_cast<long long>(clock_offset_ns.load()),
                 tracing.load() ? "\"all\"" : "\"last\"");
-  std::string out = head;
+  std::string out = "{\"displayTimeUnit\": \"ns\", \"otherData\": {\"mpicoll\": 1, \"rank\": " +
+                    std::to_string(world_rank) + ", \"size\": " + std::to_string(world_size) +
+                    ", \"host\": " + JsonString(HostName()) + ", \"reason\": " +
+                    JsonString(reason) + rest;
   char meta[160];
   std::snprintf(meta, sizeof(meta),
                 "{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": %d, \"args\": "

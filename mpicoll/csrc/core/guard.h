@@ -29,68 +29,138 @@ namespace ffi = xla::ffi;
 
 // ---------------------------------------------------------------------------
 // Checks: the ranks compare a fingerprint of what they are about to call (op,
-// dtype, shape, root, reduction) on the call's communicator.  On a mismatch
-// every rank gets an error listing what each rank called, instead of a hang,
-// an MPI abort or garbage.  It costs one small allreduce, so by default
-// (kCheckFirstRun) each call site of a compiled program is checked the first
-// time it runs on each device, and never again; kCheckEveryCall checks every
-// call (MPICOLL_CHECK=1).
+// dtype, shape, root, reduction, and its sequence number on the communicator)
+// before the call.  On a mismatch every rank gets an error listing what each
+// rank called, instead of a hang, an MPI abort or garbage.  The comparison
+// runs on the communicator's internal duplicate (DeviceComm::internal), never
+// on the data communicator: a rank that checks while another does not then
+// waits (and the watchdog names both calls within a second, watchdog.h)
+// instead of handing its check's bytes to the other rank's data collective.
+//
+// It costs one small allreduce, so by default (kCheckFirstRun) a call is
+// checked when its description is new on its communicator, and never again;
+// kCheckEveryCall checks every call (MPICOLL_CHECK=1) and compares the call
+// sites too, so two programs called in a different order are caught even
+// where their collectives are alike.  "New" is decided by the description,
+// not the call site, so that every rank decides alike: a rank that compiled
+// a new program around a call the ranks already agreed on does not check it
+// while the others skip it.
 enum CheckMode : int { kCheckOff = 0, kCheckFirstRun = 1, kCheckEveryCall = 2 };
 inline std::atomic<int> check_mode{kCheckFirstRun};
 
-// Call sites already checked, per local device (each device runs its own copy
-// of a program, on its own communicator).  Sites are numbered by Python when
-// it lowers a call; 0 is a call with no site (always checked in first-run mode).
-struct CheckedSites {
-  std::mutex mutex;
-  std::unordered_set<int64_t> sites;
-};
-inline CheckedSites checked_sites[kMaxLocalDevices];
+inline uint64_t Fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ull) {
+  for (unsigned char ch : text) hash = (hash ^ ch) * 1099511628211ull;
+  return hash;
+}
 
-inline bool NeedsCheck(const Call& c, int32_t device) {
+inline uint64_t MixHash(uint64_t hash, uint64_t value) {
+  for (int i = 0; i < 8; ++i) hash = (hash ^ ((value >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return hash;
+}
+
+// What the ranks compare about a call: its description, e.g.
+// "allreduce(float32[4], op=sum)", and that text's hash.  Made once per call
+// site and device, interned and kept for the process, so that the watchdog
+// reads a waiting call's description through a plain pointer.
+struct CallFacts {
+  std::string description;
+  uint64_t hash;
+};
+
+// Per local device (each runs its own copy of a program, on its own
+// communicators): the facts of each call site (sites are numbered by Python
+// when it lowers a call; 0 is a call with no site, described each time), and
+// the descriptions the ranks agreed on, per communicator.
+struct SiteChecks {
+  const CallFacts* facts = nullptr;
+  uint64_t site_hash = 0;  // the site's source line, for every-call checks
+  bool agreed = false;     // its call was agreed on (first-run: never checked again)
+};
+struct DeviceChecks {
+  std::mutex mutex;
+  std::unordered_map<int64_t, SiteChecks> sites;
+  std::unordered_map<uint64_t, CallFacts*> interned;  // description hash -> facts
+  std::unordered_set<uint64_t> agreed;                // MixHash(description hash, comm key)
+};
+inline DeviceChecks device_checks[kMaxLocalDevices];
+
+inline const CallFacts* Intern(DeviceChecks& checks, std::string description) {
+  const uint64_t hash = Fnv1a(description);
+  CallFacts*& facts = checks.interned[hash];
+  if (!facts) facts = new CallFacts{std::move(description), hash};  // kept for the process
+  return facts;
+}
+
+// Whether a call is checked, and its facts (for the check, the watchdog and
+// the records).  The description is made at a site's first run only.
+struct CheckPlan {
+  const CallFacts* facts = nullptr;
+  uint64_t site_hash = 0;
+  bool check = false;
+};
+
+template <typename Describe>
+CheckPlan PlanCheck(const Call& c, int32_t device, Describe&& describe) {
   const int mode = check_mode.load(std::memory_order_relaxed);
-  if (mode != kCheckFirstRun) return mode == kCheckEveryCall;
-  if (c.size == 1) return false;  // nobody to disagree with
-  if (c.site == 0) return true;
-  CheckedSites& checked = checked_sites[device];
-  std::lock_guard<std::mutex> lock(checked.mutex);
-  return checked.sites.count(c.site) == 0;
+  DeviceChecks& checks = device_checks[device];
+  std::lock_guard<std::mutex> lock(checks.mutex);
+  CheckPlan plan;
+  SiteChecks* site = nullptr;
+  if (c.site != 0) {
+    site = &checks.sites[c.site];
+    if (!site->facts) {
+      site->facts = Intern(checks, describe());
+      site->site_hash = SiteCompared(c.site) ? Fnv1a(SiteText(c.site)) : 0;
+    }
+    plan.facts = site->facts;
+    plan.site_hash = site->site_hash;
+  } else {
+    plan.facts = Intern(checks, describe());
+  }
+  if (c.size == 1 || mode == kCheckOff) return plan;  // nobody to disagree with
+  if (mode == kCheckEveryCall) {
+    plan.check = true;
+  } else if (!(site && site->agreed)) {
+    const bool agreed = checks.agreed.count(MixHash(plan.facts->hash, c.comm_key)) != 0;
+    if (agreed && site) site->agreed = true;
+    plan.check = !agreed;
+  }
+  return plan;
 }
 
 // Only once the ranks agreed: a failed check fails on every rank, so every
-// rank checks that site again next time.
-inline void MarkChecked(const Call& c, int32_t device) {
-  if (check_mode.load(std::memory_order_relaxed) != kCheckFirstRun || c.site == 0) return;
-  CheckedSites& checked = checked_sites[device];
-  std::lock_guard<std::mutex> lock(checked.mutex);
-  checked.sites.insert(c.site);
+// rank checks that call again next time, and the agreed sets stay the same on
+// every rank of the communicator.
+inline void MarkAgreed(const Call& c, int32_t device, const CallFacts* facts) {
+  DeviceChecks& checks = device_checks[device];
+  std::lock_guard<std::mutex> lock(checks.mutex);
+  checks.agreed.insert(MixHash(facts->hash, c.comm_key));
+  if (c.site != 0) checks.sites[c.site].agreed = true;
 }
 
 constexpr int kDescriptionBytes = 256;
 // Every mismatch message starts with this (Python looks for it, and users may).
 constexpr const char* kMismatchPrefix = "mpicoll: ranks called different collectives";
 
-// Compares `description` across the ranks of `comm`: "" if every rank has
-// the same one, else a message listing every rank's.  Python uses it too, for
-// a call that one rank rejects while another may be running it.
+// Compares `fingerprint` across the ranks of `comm`: "" if every rank has the
+// same one, else a message listing every rank's `describe()`.
 inline std::atomic<int64_t> comparisons_made{0};  // by this process (tests and benchmarks read it)
 
-inline std::string CompareAcrossRanks(MPI_Comm comm, int rank, int size,
-                                      const std::string& description) {
+template <typename DescribeText>
+std::string CompareAcrossRanks(MPI_Comm comm, const std::string& comm_name, int rank, int size,
+                               uint64_t fingerprint, DescribeText&& describe) {
   comparisons_made.fetch_add(1, std::memory_order_relaxed);
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char ch : description) hash = (hash ^ ch) * 1099511628211ull;
-  long long value = static_cast<long long>(hash >> 2);  // keep -value representable
+  long long value = static_cast<long long>(fingerprint >> 2);  // keep -value representable
   long long extremes[2] = {value, -value};
   int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, comm);
   if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allreduce)";
   if (extremes[0] == -extremes[1]) return "";
   std::string all(static_cast<size_t>(kDescriptionBytes) * size, '\0');
   char mine[kDescriptionBytes] = {};
-  std::strncpy(mine, description.c_str(), kDescriptionBytes - 1);
+  std::strncpy(mine, describe().c_str(), kDescriptionBytes - 1);
   rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes, MPI_CHAR,
                      comm);
-  std::string message = std::string(kMismatchPrefix) + " on " + CommName(comm) +
+  std::string message = std::string(kMismatchPrefix) + " on " + comm_name +
                         " (this is rank " + std::to_string(rank) + "):";
   for (int r = 0; rc == MPI_SUCCESS && r < size; ++r) {
     message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
@@ -98,15 +168,10 @@ inline std::string CompareAcrossRanks(MPI_Comm comm, int rank, int size,
   return message;
 }
 
-// The check before a call (see CheckMode).  Internal, like every error a
-// running collective returns, so that JAX raises one type (JaxRuntimeError)
-// whichever path dispatched the program.
-inline ffi::Error CheckSameCall(const Call& c, int32_t device, const std::string& description) {
-  if (!NeedsCheck(c, device)) return ffi::Error::Success();
-  std::string mismatch = CompareAcrossRanks(c.comm, c.rank, c.size, description);
-  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
-  MarkChecked(c, device);
-  return ffi::Error::Success();
+// Where the checks talk: the internal duplicate (the host-staged test entry
+// has none, and checks on its one communicator).
+inline MPI_Comm CheckComm(const Call& c) {
+  return c.internal_comm != MPI_COMM_NULL ? c.internal_comm : c.comm;
 }
 
 inline std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const int64_t> dims,
@@ -121,14 +186,18 @@ inline std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const 
 
 // ---------------------------------------------------------------------------
 // What each local device is doing, for the watchdog (core/watchdog.h): the
-// collective it is in, since when, its sequence number on its communicator
-// and its call site; when it last left one.  A few relaxed atomic stores per
-// call, so it is always on.
+// collective it is in (its facts, its communicator, sequence number and call
+// site), whether it is still checking it across ranks, since when; when it
+// last left one.  A few relaxed atomic stores per call, so it is always on.
+enum CallPhase : int { kPhaseDone = 0, kPhaseChecking = 1, kPhaseRunning = 2, kPhaseSetup = 3 };
 struct InFlight {
   std::atomic<int64_t> started_ns{0};
   std::atomic<const char*> name{nullptr};
   std::atomic<int> rank{-1};
   std::atomic<MPI_Comm> comm{MPI_COMM_NULL};
+  std::atomic<const CommIdentity*> identity{nullptr};
+  std::atomic<const CallFacts*> facts{nullptr};  // nullptr: a wait inside a call (local devices)
+  std::atomic<int> phase{kPhaseDone};
   std::atomic<int64_t> site{-1};
   std::atomic<uint64_t> sequence{0};
   std::atomic<int> dtype{0};
@@ -140,7 +209,6 @@ struct InFlight {
 // that never reaches it would otherwise hang the others outside any collective.
 constexpr int kSetupSlot = kMaxLocalDevices;
 inline InFlight in_flight[kMaxLocalDevices + 1];
-inline std::string setup_description;  // what kSetupSlot waits on (set from Python, under the GIL)
 inline std::atomic<double> timeout_seconds{0.0};
 inline std::atomic<double> stall_report_seconds{0.0};
 
@@ -159,20 +227,38 @@ inline const int64_t process_start_ns = NowNs();
   std::_Exit(code);  // MPI_Abort returned (it should not)
 }
 
-// The number of collectives each device has entered on each communicator: a
-// collective's sequence number, the same on every rank that has reached it;
-// and the communicator's identity for the flight records (made at its first
-// collective).  Touched by the device's own (sequential) program only.  Kept
-// by the communicator's table key, not its MPI_Comm: MPI reuses a freed
-// communicator's handle, and a counter kept by handle would go on numbering
-// (and naming) the old communicator's calls on the new one.  A freed key's
-// entry stays (a few bytes per communicator freed): erasing it would race with
-// the device threads, which take no lock here.
+// The collectives each device has entered on each communicator: their count
+// (a collective's sequence number, the same on every rank that has reached
+// it), the last one's facts, and the communicator's identity (its name and
+// members, the same on every rank: what the watchdogs compare and the records
+// name).  Kept by the communicator's table key, not its MPI_Comm: MPI reuses
+// a freed communicator's handle, and a counter kept by handle would go on
+// numbering (and naming) the old communicator's calls on the new one.  A
+// freed key's entry stays (a few bytes per communicator freed).  The device's
+// own (sequential) program writes them; the watchdog reads them under
+// `mutex`, which the device takes only to add a communicator.
 struct CommCounter {
-  uint64_t sequence = 0;
+  std::atomic<uint64_t> sequence{0};
+  std::atomic<const CallFacts*> last{nullptr};
+  std::atomic<int64_t> used_ns{0};
   const CommIdentity* identity = nullptr;
 };
-inline std::unordered_map<int64_t, CommCounter> sequences[kMaxLocalDevices + 1];
+struct DeviceCounters {
+  std::mutex mutex;
+  std::unordered_map<int64_t, CommCounter> by_comm;
+};
+inline DeviceCounters counters[kMaxLocalDevices];
+
+inline CommCounter& CounterOf(int32_t device, int64_t comm_key, MPI_Comm comm) {
+  DeviceCounters& mine = counters[device];
+  auto found = mine.by_comm.find(comm_key);  // only this device's thread adds: no lock
+  if (found != mine.by_comm.end()) return found->second;
+  const CommIdentity* identity = IdentifyComm(comm);
+  std::lock_guard<std::mutex> lock(mine.mutex);
+  CommCounter& counter = mine.by_comm[comm_key];
+  counter.identity = identity;
+  return counter;
+}
 
 // Marks a device as inside a collective for the watchdog, and records it
 // (flight.h), for one scope.  new_call=false: a wait inside a call already
@@ -183,23 +269,30 @@ inline std::unordered_map<int64_t, CommCounter> sequences[kMaxLocalDevices + 1];
 struct InFlightScope {
   InFlight* slot = nullptr;
   FlightRecord* record = nullptr;
+  uint64_t sequence = 0;
   bool failed = false;  // set by the caller when the collective returns an error
-  InFlightScope(const Call& c, int32_t device, bool new_call = true, int64_t queued_ns = 0) {
+  InFlightScope(const Call& c, int32_t device, bool new_call = true, int64_t queued_ns = 0,
+                const CallFacts* facts = nullptr) {
     slot = &in_flight[device];
     slot->name.store(c.name, std::memory_order_relaxed);
     slot->rank.store(c.rank, std::memory_order_relaxed);
     slot->comm.store(c.comm, std::memory_order_relaxed);
     slot->site.store(c.site, std::memory_order_relaxed);
-    CommCounter& counter = sequences[device][c.comm_key];
+    slot->facts.store(facts, std::memory_order_relaxed);
+    slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
+    CommCounter& counter = CounterOf(device, c.comm_key, c.comm);
     const int64_t now = NowNs();
+    sequence = counter.sequence.load(std::memory_order_relaxed);
     if (new_call) {
-      ++counter.sequence;
-      if (Recording() && device < kMaxLocalDevices) {
-        if (!counter.identity) counter.identity = IdentifyComm(c.comm);
-        record = BeginRecord(device, c, counter.identity, counter.sequence, queued_ns, now);
+      counter.sequence.store(++sequence, std::memory_order_relaxed);
+      if (facts) counter.last.store(facts, std::memory_order_relaxed);
+      counter.used_ns.store(now, std::memory_order_relaxed);
+      if (Recording()) {
+        record = BeginRecord(device, c, counter.identity, sequence, queued_ns, now);
       }
     }
-    slot->sequence.store(counter.sequence, std::memory_order_relaxed);
+    slot->identity.store(counter.identity, std::memory_order_relaxed);
+    slot->sequence.store(sequence, std::memory_order_relaxed);
     slot->dtype.store(static_cast<int>(c.dtype), std::memory_order_relaxed);
     slot->count.store(static_cast<int64_t>(c.in_count), std::memory_order_relaxed);
     slot->started_ns.store(now, std::memory_order_release);
@@ -211,6 +304,32 @@ struct InFlightScope {
     slot->started_ns.store(0, std::memory_order_release);
   }
 };
+
+// The check before a call (see CheckMode), once its InFlightScope is open:
+// the fingerprint is the description's hash and the call's sequence number
+// (two alike calls at different places in the ranks' programs do not agree),
+// and in every-call mode its call site.  Internal, like every error a running
+// collective returns, so that JAX raises one type (JaxRuntimeError) whichever
+// path dispatched the program.
+inline ffi::Error CheckSameCall(const Call& c, int32_t device, const CheckPlan& plan,
+                                const InFlightScope& watched) {
+  if (!plan.check) return ffi::Error::Success();
+  const bool with_site = check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
+  uint64_t fingerprint = MixHash(plan.facts->hash, watched.sequence);
+  if (with_site) fingerprint = MixHash(fingerprint, plan.site_hash);
+  watched.slot->phase.store(kPhaseChecking, std::memory_order_relaxed);
+  std::string mismatch = CompareAcrossRanks(
+      CheckComm(c), CommName(c.comm), c.rank, c.size, fingerprint, [&] {
+        std::string text = plan.facts->description + ", sequence " +
+                           std::to_string(watched.sequence);
+        const std::string site = with_site ? SiteText(c.site) : std::string();
+        return site.empty() ? text : text + ", called at " + site;
+      });
+  watched.slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
+  if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
+  MarkAgreed(c, device, plan.facts);
+  return ffi::Error::Success();
+}
 
 // ---------------------------------------------------------------------------
 // Serialized MPI (one local device per process; _native.SERIALIZED): at

@@ -179,8 +179,9 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   c.site = site;
   if (ffi::Error err = Resolve(c, device, comm_slot); err.failure()) return err;
   progress_threads[device].Drain();
-  InFlightScope watched(c, device);
-  if (ffi::Error err = CheckSameCall(c, device, "barrier()"); err.failure()) return err;
+  const CheckPlan plan = PlanCheck(c, device, [] { return std::string("barrier()"); });
+  InFlightScope watched(c, device, /*new_call=*/true, /*queued_ns=*/0, plan.facts);
+  if (ffi::Error err = CheckSameCall(c, device, plan, watched); err.failure()) return err;
   if (int rc = Barrier(c); rc != MPI_SUCCESS) return MpiFailure(c, rc);
   return ffi::Error::Success();
 }

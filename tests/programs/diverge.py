@@ -1,0 +1,119 @@
+"""Programs whose ranks diverge, run as `mpiexec -n R python diverge.py CASE`.
+
+Every case first runs the same jitted programs on every rank (a warm-up: their
+calls are checked): `step` (an allreduce), and `first`/`second` (an allreduce
+and a broadcast); then the last rank (the "odd" one) departs from the others:
+
+  new-shape     the odd rank calls the step at a new shape (a new program there)
+  new-dtype     the odd rank calls the step on int32 data
+  other-op      the odd rank calls a max-allreduce (a new program) where the others
+                call the step
+  other-root    every rank calls a new broadcast, the odd rank from another root
+  skip-finish   the odd rank skips the next collective and finishes its script
+  extra         the odd rank calls one collective more than the others, then finishes
+  swapped       `first` and `second` called in swapped order on the odd rank
+  swapped-alike (with MPICOLL_CHECK=1) two programs with the same allreduce, from
+                two lines, called in swapped order on the odd rank
+  exit-mid      the odd rank's process ends (os._exit(7)) while the others wait
+  never-first   the odd rank finishes its script before the job's first collective
+  raise-traced  every rank raises the same error while tracing
+  baseline      no divergence (what the others' times to end are measured against)
+  check-shape   (MPICOLL_CHECK=1) the odd rank's call has another shape: every rank
+                raises the same exception type
+
+Each rank prints `rank R: returned VALUES` for a value it got (`WRONG` if it is
+not what numpy says its program computes), or `rank R: raised TYPE: FIRST LINE`
+for an exception it caught (the MPICOLL_CHECK=1 cases).
+"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+import mpicoll
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+ODD = RANK == SIZE - 1
+CASE = sys.argv[1]
+
+
+def say(text):
+    os.write(1, f"rank {RANK}: {text}\n".encode())
+
+
+def returned(value, expected):
+    value = np.asarray(value)
+    right = value.shape == np.shape(expected) and np.allclose(value, expected)
+    say(f"returned {value.tolist()}" + ("" if right else f" WRONG (expected {expected})"))
+
+
+step = jax.jit(lambda x: mpicoll.allreduce(x) * 2)
+peak = jax.jit(lambda x: mpicoll.allreduce(x, op="max"))
+spread = jax.jit(lambda x, root: mpicoll.bcast(x, root=root), static_argnums=1)
+first = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
+second = jax.jit(lambda x: mpicoll.bcast(x, root=0) - 1)
+plus = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
+minus = jax.jit(lambda x: mpicoll.allreduce(x) - 1)
+
+if CASE == "never-first":
+    if ODD:
+        sys.exit(0)  # before the job's first collective
+    returned(step(jnp.ones(4)), 2.0 * SIZE * np.ones(4))
+    sys.exit(0)
+
+if CASE == "raise-traced":
+    mpicoll.allreduce(jnp.ones(3), op="nope")  # refused on every rank while tracing
+
+warm = jnp.ones(4, jnp.float32)
+EXPECTED = {first: SIZE + np.ones(4), second: np.zeros(4), plus: SIZE + np.ones(4),
+            minus: SIZE - np.ones(4)}
+returned(step(warm), 2.0 * SIZE * np.ones(4))
+returned(first(warm), SIZE + np.ones(4))
+returned(second(warm), np.zeros(4))
+returned(plus(warm), SIZE + np.ones(4))
+returned(minus(warm), SIZE - np.ones(4))
+
+if CASE == "new-shape":
+    n = 5 if ODD else 4
+    returned(step(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
+elif CASE == "new-dtype":
+    returned(step(jnp.ones(4, jnp.int32) if ODD else warm), 2 * SIZE * np.ones(4))
+elif CASE == "other-op":
+    returned(peak(warm), np.ones(4)) if ODD else returned(step(warm), 2.0 * SIZE * np.ones(4))
+elif CASE == "other-root":
+    returned(spread(warm, 1 if ODD else 0), np.ones(4))
+elif CASE == "skip-finish":
+    if not ODD:
+        returned(step(warm), 2.0 * SIZE * np.ones(4))
+elif CASE == "extra":
+    returned(step(warm), 2.0 * SIZE * np.ones(4))
+    if ODD:
+        returned(step(warm), 2.0 * SIZE * np.ones(4))
+elif CASE in ("swapped", "swapped-alike"):
+    one, two = (first, second) if CASE == "swapped" else (plus, minus)
+    if ODD:
+        one, two = two, one
+    try:
+        for program in (one, two):
+            returned(program(warm), EXPECTED[program])
+    except Exception as error:  # swapped-alike: every rank, the same type
+        say(f"raised {type(error).__name__}: {str(error).splitlines()[0]}")
+elif CASE == "exit-mid":
+    if ODD:
+        os._exit(7)
+    returned(step(warm), 2.0 * SIZE * np.ones(4))
+elif CASE == "baseline":  # no divergence: the warm-up alone (benchmarks/divergence.py)
+    pass
+elif CASE == "check-shape":
+    try:
+        n = 5 if ODD else 4
+        returned(step(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
+    except Exception as error:  # every rank: the same type
+        say(f"raised {type(error).__name__}: {str(error).splitlines()[0]}")
+else:
+    raise SystemExit(f"unknown case {CASE}")
+say("finished")

@@ -1,0 +1,134 @@
+"""Programs whose ranks diverge (tests/programs/diverge.py) end in seconds, with one
+report naming every rank's state, and no rank returns a value it should not.
+
+Each case runs as its own job at 2 and 3 ranks under the suite's MPI (CI runs this
+file under MPICH and Open MPI).  MPICOLL_TIMEOUT is 120 s: every case must end long
+before it, by the watchdog's divergence check (csrc/core/watchdog.h), not the timeout.
+The times to end are measured in benchmarks/divergence.py (make bench).
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_mpiexec
+
+PROGRAM = Path(__file__).parent / "programs" / "diverge.py"
+REPORT = "mpicoll: the ranks' collectives cannot match: "
+WITHIN = 30  # s: generous for an oversubscribed 2-core machine (about 3 s measured)
+
+
+def _run(ranks, case, **env):
+    return run_mpiexec(ranks, [sys.executable, PROGRAM, case], timeout=180,
+                       env={"MPICOLL_TIMEOUT": "120", "MPICOLL_STALL_REPORT": "100", **env})
+
+
+def _one_report(result):
+    """The job's one divergence report: (first line, {rank: its line})."""
+    assert result.output.count(REPORT) == 1, result.summary()
+    text = result.output[result.output.index(REPORT):]
+    head, *rest = text.splitlines()
+    lines = {}
+    for line in rest:
+        found = re.match(r"  rank (\d+) \(.*?\): (.*)", line)
+        if not found:
+            break
+        lines[int(found[1])] = found[2]
+    return head, lines
+
+
+# case -> (what the report's first line says, {"odd"/"others": what that rank's line says})
+MISMATCHES = {
+    "new-shape": ("allreduce(float32[5], op=sum)", "allreduce(float32[4], op=sum)"),
+    "new-dtype": ("allreduce(int32[4], op=sum)", "allreduce(float32[4], op=sum)"),
+    "other-op": ("allreduce(float32[4], op=max)", "allreduce(float32[4], op=sum)"),
+    "swapped": ("bcast(float32[4], root=0)", "allreduce(float32[4], op=sum)"),
+    "other-root": ("bcast(float32[4], root=1)", "bcast(float32[4], root=0)"),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_ranks_at_one_collective_with_different_calls_are_named(ranks, case):
+    result = _run(ranks, case)
+    odd = ranks - 1
+    assert result.returncode == 3, result.summary()
+    assert "WRONG" not in result.output, result.summary()
+    assert result.seconds < WITHIN, result.summary()
+    head, lines = _one_report(result)
+    assert re.search(rf"ranks \d and {odd} are at the same collective on MPI_COMM_WORLD "
+                     r"\(sequence 6\) with different calls", head), head
+    odd_call, others_call = MISMATCHES[case]
+    assert odd_call in lines[odd] and "sequence 6" in lines[odd], lines
+    assert "comparing it across the ranks" in lines[odd] or case == "swapped", lines
+    for rank in range(odd):  # in the call, or finished after it (a broadcast's root)
+        assert others_call in lines[rank], lines
+    # The odd rank never returned from its diverging call.
+    assert result.stdout.count(f"rank {odd}: returned") == 5, result.summary()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case,missing", [("skip-finish", "odd"), ("extra", "others")])
+def test_a_rank_that_finished_its_script_is_named_where_it_finished(ranks, case, missing):
+    result = _run(ranks, case)
+    odd = ranks - 1
+    assert result.returncode == 3, result.summary()
+    assert "WRONG" not in result.output, result.summary()
+    assert result.seconds < WITHIN, result.summary()
+    head, lines = _one_report(result)
+    gone = [odd] if missing == "odd" else list(range(odd))
+    assert re.search(rf"rank ({'|'.join(map(str, gone))}) has finished its script without "
+                     r"reaching the collective rank \d waits in on MPI_COMM_WORLD", head), head
+    waiting = [r for r in range(ranks) if r not in gone]
+    sequence = 6 if missing == "odd" else 7
+    for rank in gone:
+        assert re.match(rf"finished its script at .*diverge\.py:\d+; its last on "
+                        rf"MPI_COMM_WORLD: sequence {sequence - 1}, allreduce", lines[rank]), lines
+    for rank in waiting:
+        assert re.match(rf"in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, sequence "
+                        rf"{sequence}, called at .*diverge\.py:\d+", lines[rank]), lines
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_that_exits_mid_job_writes_the_report(ranks):
+    result = _run(ranks, "exit-mid")
+    odd = ranks - 1
+    assert result.returncode in (7, 9), result.summary()  # 9: the launcher reaped a rank it killed first
+    assert "WRONG" not in result.output, result.summary()
+    assert result.seconds < WITHIN, result.summary()
+    head, lines = _one_report(result)
+    assert re.search(rf"rank {odd} exits with code 7 while rank \d waits for it", head), head
+    assert re.match(r"exits with code 7 at .*diverge\.py:\d+ \(os\._exit\); its last on "
+                    r"MPI_COMM_WORLD: sequence 5", lines[odd]), lines
+    assert all("in allreduce(float32[4], op=sum) on MPI_COMM_WORLD, sequence 6" in lines[r]
+               for r in range(odd)), lines
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_that_never_reaches_the_first_collective_is_named(ranks):
+    result = _run(ranks, "never-first")
+    odd = ranks - 1
+    assert result.returncode == 3, result.summary()
+    assert result.seconds < WITHIN, result.summary()
+    head, lines = _one_report(result)
+    assert f"rank {odd} has finished its script without reaching the collective" in head, head
+    assert re.match(r"finished its script at .*diverge\.py:\d+$", lines[odd]), lines
+    for rank in range(odd):  # the collective the program called, not MPI_Comm_dup alone
+        assert re.match(r"in allreduce \(called at .*diverge\.py:\d+ .*\) on MPI_COMM_WORLD "
+                        r"\(its first collective there", lines[rank]), lines
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case", ["check-shape", "swapped-alike"])
+def test_every_call_checks_raise_the_same_error_on_every_rank(ranks, case):
+    """MPICOLL_CHECK=1: a different shape, and two alike programs called in swapped
+    order (their call sites differ), raise one exception type on every rank."""
+    result = _run(ranks, case, MPICOLL_CHECK="1")
+    assert result.returncode == 0, result.summary()
+    assert "WRONG" not in result.output, result.summary()
+    raised = re.findall(r"rank (\d): raised (\w+): (.*)", result.stdout)
+    assert sorted(int(r) for r, _, _ in raised) == list(range(ranks)), result.summary()
+    assert {kind for _, kind, _ in raised} == {"JaxRuntimeError"}, result.summary()
+    assert all("mpicoll: ranks called different collectives" in text for _, _, text in raised)
