@@ -285,9 +285,12 @@ _PROCESS = os.getpid()
 
 def _ended_at():
     frame = _SCRIPT_FRAME
-    if frame is None:
-        return ""
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    where = "" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    # Python's own hook keeps an uncaught exception there (without abort on error).
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if error is not None and not isinstance(error, SystemExit):
+        where += f" (an uncaught {type(error).__name__})"
+    return where
 
 
 def _announce_finished():
