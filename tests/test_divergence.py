@@ -25,6 +25,13 @@ def _run(ranks, case, **env):
                        env={"MPICOLL_TIMEOUT": "120", "MPICOLL_STALL_REPORT": "100", **env})
 
 
+def _ended_in_seconds(result, returncodes=(3,)):
+    """The job ended (by the watchdog, not the timeout) and no rank got a wrong value."""
+    assert result.returncode in returncodes, result.summary()
+    assert "WRONG" not in result.output, result.summary()
+    assert result.seconds < WITHIN, result.summary()
+
+
 def _one_report(result):
     """The job's one divergence report: (first line, {rank: its line})."""
     assert result.output.count(REPORT) == 1, result.summary()
@@ -54,9 +61,7 @@ MISMATCHES = {
 def test_ranks_at_one_collective_with_different_calls_are_named(ranks, case):
     result = _run(ranks, case)
     odd = ranks - 1
-    assert result.returncode == 3, result.summary()
-    assert "WRONG" not in result.output, result.summary()
-    assert result.seconds < WITHIN, result.summary()
+    _ended_in_seconds(result)
     head, lines = _one_report(result)
     assert re.search(rf"ranks \d and {odd} are at the same collective on MPI_COMM_WORLD "
                      r"\(sequence 6\) with different calls", head), head
@@ -74,9 +79,7 @@ def test_ranks_at_one_collective_with_different_calls_are_named(ranks, case):
 def test_a_rank_that_finished_its_script_is_named_where_it_finished(ranks, case, missing):
     result = _run(ranks, case)
     odd = ranks - 1
-    assert result.returncode == 3, result.summary()
-    assert "WRONG" not in result.output, result.summary()
-    assert result.seconds < WITHIN, result.summary()
+    _ended_in_seconds(result)
     head, lines = _one_report(result)
     gone = [odd] if missing == "odd" else list(range(odd))
     assert re.search(rf"rank ({'|'.join(map(str, gone))}) has finished its script without "
@@ -95,9 +98,7 @@ def test_a_rank_that_finished_its_script_is_named_where_it_finished(ranks, case,
 def test_a_rank_that_exits_mid_job_writes_the_report(ranks):
     result = _run(ranks, "exit-mid")
     odd = ranks - 1
-    assert result.returncode in (7, 9), result.summary()  # 9: the launcher reaped a rank it killed first
-    assert "WRONG" not in result.output, result.summary()
-    assert result.seconds < WITHIN, result.summary()
+    _ended_in_seconds(result, (7, 9))  # 9: the launcher reaped a rank it killed first
     head, lines = _one_report(result)
     assert re.search(rf"rank {odd} exits with code 7 while rank \d waits for it", head), head
     assert re.match(r"exits with code 7 at .*diverge\.py:\d+ \(os\._exit\); its last on "
@@ -110,8 +111,7 @@ def test_a_rank_that_exits_mid_job_writes_the_report(ranks):
 def test_a_rank_that_never_reaches_the_first_collective_is_named(ranks):
     result = _run(ranks, "never-first")
     odd = ranks - 1
-    assert result.returncode == 3, result.summary()
-    assert result.seconds < WITHIN, result.summary()
+    _ended_in_seconds(result)
     head, lines = _one_report(result)
     assert f"rank {odd} has finished its script without reaching the collective" in head, head
     assert re.match(r"finished its script at .*diverge\.py:\d+$", lines[odd]), lines
@@ -122,13 +122,14 @@ def test_a_rank_that_never_reaches_the_first_collective_is_named(ranks):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("case", ["check-shape", "swapped-alike"])
-def test_every_call_checks_raise_the_same_error_on_every_rank(ranks, case):
+def test_every_call_checks_raise_the_mismatch_on_every_rank(ranks, case):
     """MPICOLL_CHECK=1: a different shape, and two alike programs called in swapped
-    order (their call sites differ), raise one exception type on every rank."""
+    order (their call sites differ), raise the mismatch on every rank: JaxRuntimeError,
+    or ValueError on a rank that ran its program from JAX's cache (jit's C++ fast path,
+    jax-ml/jax#34083; docs/troubleshooting.md)."""
     result = _run(ranks, case, MPICOLL_CHECK="1")
-    assert result.returncode == 0, result.summary()
-    assert "WRONG" not in result.output, result.summary()
+    _ended_in_seconds(result, (0,))
     raised = re.findall(r"rank (\d): raised (\w+): (.*)", result.stdout)
     assert sorted(int(r) for r, _, _ in raised) == list(range(ranks)), result.summary()
-    assert {kind for _, kind, _ in raised} == {"JaxRuntimeError"}, result.summary()
+    assert {kind for _, kind, _ in raised} <= {"JaxRuntimeError", "ValueError"}, result.summary()
     assert all("mpicoll: ranks called different collectives" in text for _, _, text in raised)

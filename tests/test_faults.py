@@ -207,10 +207,13 @@ def test_timeout_aborts_a_collective_that_never_completes():
 
 @serial_only
 def test_timeout_covers_the_collective_setup_at_a_communicators_first_use():
-    """The per-device MPI_Comm_dup at first use is collective: watched like a collective."""
+    """The per-device MPI_Comm_dup at first use is collective: watched like a collective,
+    and named as the collective the program called there."""
     assert_aborted_by_timeout(
-        "first-use", r"mpicoll: rank 0 has waited [\d.]+ s in the first use of communicator "
-        r"fresh \(MPI_Comm_dup\) \(MPICOLL_TIMEOUT={timeout}\)")
+        "first-use", r"mpicoll: rank 0 has waited [\d.]+ s in allreduce \(called at "
+        r".*faults\.py:\d+ \(first_use\)\), the first collective on fresh \(its setup, "
+        r"MPI_Comm_dup, MPICOLL_TIMEOUT={timeout}\): another rank has not reached its first "
+        r"collective there")
 
 
 @serial_only

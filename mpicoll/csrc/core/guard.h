@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "call.h"
 #include "comm_table.h"
@@ -142,30 +144,63 @@ constexpr int kDescriptionBytes = 256;
 // Every mismatch message starts with this (Python looks for it, and users may).
 constexpr const char* kMismatchPrefix = "mpicoll: ranks called different collectives";
 
-// Compares `fingerprint` across the ranks of `comm`: "" if every rank has the
-// same one, else a message listing every rank's `describe()`.
-inline std::atomic<int64_t> comparisons_made{0};  // by this process (tests and benchmarks read it)
-
+// Every rank's description, gathered once a comparison found that the ranks
+// differ (every rank of `comm` finds it alike, so every rank takes part).
 template <typename DescribeText>
-std::string CompareAcrossRanks(MPI_Comm comm, const std::string& comm_name, int rank, int size,
-                               uint64_t fingerprint, DescribeText&& describe) {
-  comparisons_made.fetch_add(1, std::memory_order_relaxed);
-  long long value = static_cast<long long>(fingerprint >> 2);  // keep -value representable
-  long long extremes[2] = {value, -value};
-  int rc = MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_LONG_LONG, MPI_MIN, comm);
-  if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allreduce)";
-  if (extremes[0] == -extremes[1]) return "";
+std::string MismatchMessage(MPI_Comm comm, const std::string& comm_name, int rank, int size,
+                            DescribeText&& describe) {
   std::string all(static_cast<size_t>(kDescriptionBytes) * size, '\0');
   char mine[kDescriptionBytes] = {};
   std::strncpy(mine, describe().c_str(), kDescriptionBytes - 1);
-  rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes, MPI_CHAR,
-                     comm);
+  const int rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes,
+                               MPI_CHAR, comm);
   std::string message = std::string(kMismatchPrefix) + " on " + comm_name +
                         " (this is rank " + std::to_string(rank) + "):";
   for (int r = 0; rc == MPI_SUCCESS && r < size; ++r) {
     message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
   }
   return message;
+}
+
+// Every check is one MPI_Allgather of a fixed-size record per rank on the
+// checks' communicator: its fingerprint, and, for a small allreduce checked on
+// every call, its block (core/execute.h: the check then is the collective).
+// Every rank sends the same size whatever it calls, so any two checks meet
+// and compare, and a mismatched shape never truncates a message.
+constexpr size_t kCheckRecordsBytes = 4096;  // every rank's records together
+
+inline size_t CheckRecordBytes(int size) {
+  return std::max<size_t>(16, kCheckRecordsBytes / static_cast<size_t>(size) / 16 * 16);
+}
+
+// Compares `fingerprint` across the ranks of `comm`: "" if every rank has the
+// same one, else a message listing every rank's `describe()`.  `block`
+// (bytes, at most CheckRecordBytes - 16) travels with it; every rank's
+// records are left in `records` (record r at r * CheckRecordBytes(size)).
+inline std::atomic<int64_t> comparisons_made{0};  // by this process (tests and benchmarks read it)
+
+template <typename DescribeText>
+std::string CompareAcrossRanks(MPI_Comm comm, const std::string& comm_name, int rank, int size,
+                               uint64_t fingerprint, DescribeText&& describe,
+                               const char* block = nullptr, size_t bytes = 0,
+                               std::vector<char>* records = nullptr) {
+  comparisons_made.fetch_add(1, std::memory_order_relaxed);
+  const size_t stride = CheckRecordBytes(size);
+  thread_local std::vector<char> mine, gathered;  // per device thread
+  std::vector<char>& all = records ? *records : gathered;
+  mine.assign(stride, 0);
+  all.resize(stride * size);
+  std::memcpy(mine.data(), &fingerprint, sizeof(fingerprint));
+  if (bytes) std::memcpy(mine.data() + 16, block, bytes);
+  const int rc = MPI_Allgather(mine.data(), static_cast<int>(stride), MPI_BYTE, all.data(),
+                               static_cast<int>(stride), MPI_BYTE, comm);
+  if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allgather)";
+  for (int r = 0; r < size; ++r) {
+    if (std::memcmp(all.data() + r * stride, &fingerprint, sizeof(fingerprint)) != 0) {
+      return MismatchMessage(comm, comm_name, rank, size, describe);
+    }
+  }
+  return "";
 }
 
 // Where the checks talk: the internal duplicate (the host-staged test entry
@@ -305,26 +340,35 @@ struct InFlightScope {
   }
 };
 
-// The check before a call (see CheckMode), once its InFlightScope is open:
-// the fingerprint is the description's hash and the call's sequence number
-// (two alike calls at different places in the ranks' programs do not agree),
-// and in every-call mode its call site.  Internal, like every error a running
-// collective returns, so that JAX raises one type (JaxRuntimeError) whichever
-// path dispatched the program.
+// What a check compares, once the call's InFlightScope is open: the
+// description's hash and the call's sequence number (two alike calls at
+// different places in the ranks' programs do not agree), and in every-call
+// mode its call site.
+inline uint64_t Fingerprint(const CheckPlan& plan, const InFlightScope& watched) {
+  const uint64_t fingerprint = MixHash(plan.facts->hash, watched.sequence);
+  return check_mode.load(std::memory_order_relaxed) == kCheckEveryCall
+             ? MixHash(fingerprint, plan.site_hash) : fingerprint;
+}
+
+// This rank's line of a mismatch message.
+inline std::string CheckedCallText(const Call& c, const CheckPlan& plan,
+                                   const InFlightScope& watched) {
+  std::string text = plan.facts->description + ", sequence " + std::to_string(watched.sequence);
+  const bool with_site = check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
+  const std::string site = with_site && plan.site_hash ? SiteText(c.site) : std::string();
+  return site.empty() ? text : text + ", called at " + site;
+}
+
+// The check before a call (see CheckMode).  Internal, like every error a
+// running collective returns, so that JAX raises one type (JaxRuntimeError)
+// whichever path dispatched the program.
 inline ffi::Error CheckSameCall(const Call& c, int32_t device, const CheckPlan& plan,
                                 const InFlightScope& watched) {
   if (!plan.check) return ffi::Error::Success();
-  const bool with_site = check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
-  uint64_t fingerprint = MixHash(plan.facts->hash, watched.sequence);
-  if (with_site) fingerprint = MixHash(fingerprint, plan.site_hash);
   watched.slot->phase.store(kPhaseChecking, std::memory_order_relaxed);
   std::string mismatch = CompareAcrossRanks(
-      CheckComm(c), CommName(c.comm), c.rank, c.size, fingerprint, [&] {
-        std::string text = plan.facts->description + ", sequence " +
-                           std::to_string(watched.sequence);
-        const std::string site = with_site ? SiteText(c.site) : std::string();
-        return site.empty() ? text : text + ", called at " + site;
-      });
+      CheckComm(c), CommName(c.comm), c.rank, c.size, Fingerprint(plan, watched),
+      [&] { return CheckedCallText(c, plan, watched); });
   watched.slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
   if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
   MarkAgreed(c, device, plan.facts);

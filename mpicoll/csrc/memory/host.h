@@ -51,6 +51,7 @@ struct WholeBuffers {
 };
 
 struct HostMemory : WholeBuffers {
+  static constexpr bool kHostBuffers = true;  // MPI reads and writes these buffers as they are
   bool advise_huge_pages = true;
 
   template <typename Op>
