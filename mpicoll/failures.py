@@ -45,15 +45,18 @@ def set_check_mode(mode=True):
     """Choose which calls compare their fingerprint across ranks; returns the previous mode.
 
     Before a compared call runs, the ranks of its communicator compare (op, dtype,
-    shape, root, reduction, communicator) in one 16-byte allreduce; on a mismatch
-    every rank raises jax.errors.JaxRuntimeError listing what each rank called, and
-    the mismatched collective does not run (docs/troubleshooting.md).
+    shape, root, reduction, its sequence number on the communicator) in one small
+    allgather on a private duplicate; on a mismatch every rank raises
+    jax.errors.JaxRuntimeError listing what each rank called (ValueError where JAX
+    ran a jitted program from its cache: jax-ml/jax#34083), and the mismatched
+    collective does not run (docs/troubleshooting.md).
 
     Args:
         mode: "first-run" (the default; MPICOLL_CHECK sets the initial mode):
-            each call site of a compiled program the first time it runs on each
-            device, then never again.  "every-call" (or True): before every call
-            (about 1.5 us more per call).  "off" (or False): never.
+            a call whose description is new on its communicator, then never
+            again.  "every-call" (or True): every call, its jitted call site
+            too (a small allreduce carries its data in the check: about 1.2x
+            a 4-byte allreduce's time).  "off" (or False): never.
     Returns:
         The previous mode, "off", "first-run" or "every-call".
     Raises:
