@@ -189,9 +189,8 @@ def set_dispatch(mode):
         A compiled program keeps the mode it was lowered with.  An MPI error
         raised while a device-order program is dispatched from JAX's cache
         comes as ValueError (jit's C++ fast path converts it, jax-ml/jax#34083)
-        rather than jax.errors.JaxRuntimeError, with the same message, unless
-        mpicoll's extension routes jitted calls (mpicoll._dispatch.JIT_ERRORS_ROUTED);
-        eager calls raise JaxRuntimeError either way.
+        rather than jax.errors.JaxRuntimeError, with the same message; eager
+        calls raise JaxRuntimeError either way.
 
     Example::
 
