@@ -101,6 +101,7 @@ struct Verdict {
   std::vector<int> stuck;  // ranks whose waits cannot end
   std::vector<uint64_t> comms;  // the communicators involved
   std::string key;        // the verdict's identity, to see it hold twice
+  int exiting = -1;       // a rank whose process exits: it writes the report (AnnounceEnd)
 };
 
 struct Membership {
@@ -188,6 +189,7 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
                 w.comm;
         v.stuck = {me};
         v.comms = {w.comm_hash};
+        if (theirs.head.ending == kExiting) v.exiting = m;
         return v;
       }
       waits_for[me].insert(m);

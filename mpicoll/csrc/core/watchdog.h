@@ -177,8 +177,11 @@ inline void Watchdog() {
   std::string last_verdict;  // a deadlock's key, to see it hold twice
   for (;;) {
     const double limit = timeout_seconds.load(), stall = stall_report_seconds.load();
+    // Fast while the side channel opens: Open MPI's nonblocking duplicate
+    // moves only when tested, a round per test (0.7 s at 50 ms ticks).
+    const bool opening = opening_stage.load() == 1 || opening_stage.load() == 2;
     std::this_thread::sleep_for(std::chrono::milliseconds(
-        (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 50));
+        opening ? 1 : (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 50));
     if (watchdog_stop.load()) return;
     OpenSideChannelStep();
     ServeStateRequests();
@@ -214,6 +217,9 @@ inline void Watchdog() {
       if (watchdog_stop.load()) return;
       const Verdict v = FindDivergence(states, known);
       if (v.found && (v.certain || v.key == last_verdict)) {
+        // A rank whose process exits writes the report itself; the launcher
+        // ends this one meanwhile (or, should it not, this one reports).
+        if (v.exiting >= 0) std::this_thread::sleep_for(std::chrono::seconds(2));
         if (!DeferToLowerRank(states, v)) ReportDivergenceAndAbort(states, v);
         return;  // the job is ending
       }
@@ -264,7 +270,9 @@ inline void Watchdog() {
 // asks the others: if one waits for it, this rank writes the job's report
 // itself, since the launcher may end the others as soon as it exits.
 inline void AnnounceEnd(int ending, int code, const std::string& where) {
-  FinishOpeningSideChannel(/*seconds=*/2.0);
+  // A rank that ends right after its import waits for the channel (the others
+  // are on their way to it), but not forever: a rank that never imports mpicoll.
+  FinishOpeningSideChannel(/*seconds=*/5.0);
   if (!SideChannelUp() || world_size.load() == 1) return;
   RankState mine = OwnState({}, /*all_comms=*/true);
   mine.head.ending = ending;
