@@ -215,14 +215,16 @@ def test_overlapped_call_on_a_freed_communicator_raises_jax_runtime_error():
 
 
 def test_ranks_that_disagree_on_overlapping_a_call_get_the_mismatch_error():
-    """Rank 0 overlaps the call, the others do not: the check sees it (first run of a site)."""
+    """Rank 0 overlaps the call, the others do not: the check sees it (both calls are
+    new on the communicator; where one rank's call was agreed before, it does not
+    check, and the watchdog ends the job naming both: tests/test_divergence.py)."""
     def step(x):
         with mpicoll.overlap(RANK == 0):
             return mpicoll.allreduce(x)
 
-    x = jnp.ones(4, jnp.float32)
+    x = jnp.ones((4, 3, 19), jnp.float32)  # a shape no other test uses
     if SIZE == 1:  # nobody to disagree with: it runs
-        assert_same(jax.jit(step)(x), np.ones(4, np.float32))
+        assert_same(jax.jit(step)(x), np.ones((4, 3, 19), np.float32))
         return
     with pytest.raises(jax.errors.JaxRuntimeError, match="ranks called different collectives"
                        r"(.|\n)*overlapped"):
