@@ -163,7 +163,8 @@ def streams(files):
     held = {}  # (comm, members) -> rank -> sequence -> Record
     for f in files:
         for r in f.records:
-            held.setdefault(r.stream, {}).setdefault(f.rank, {})[r.sequence] = r
+            if r.sequence:  # 0: point-to-point, two ranks' business
+                held.setdefault(r.stream, {}).setdefault(f.rank, {})[r.sequence] = r
     found = []
     for (comm, members), ranks in held.items():
         # The members as the writer translated them to COMM_WORLD ranks (a rank it could
@@ -371,14 +372,15 @@ def spans(files):
         for r in f.records:
             if r.finished_ns is None:
                 continue
-            instances.setdefault((r.comm, r.members, r.sequence), []).append(
-                (f.rank, r, f.clock_offset_ns))
+            # A point-to-point call (sequence 0) is one rank's alone here.
+            key = (r.comm, r.members, r.sequence) if r.sequence else (f.rank, id(r))
+            instances.setdefault(key, []).append((f.rank, r, f.clock_offset_ns))
     out = []
-    for (comm, members, sequence), parts in instances.items():
+    for parts in instances.values():
         last = max(r.started_ns + offset for _, r, offset in parts)
         for rank, r, offset in parts:
-            out.append(Span(rank=rank, device=r.device, call=r.call, sequence=sequence,
-                            comm=comm, start_ns=r.started_ns + offset, last_arrival_ns=last,
+            out.append(Span(rank=rank, device=r.device, call=r.call, sequence=r.sequence,
+                            comm=r.comm, start_ns=r.started_ns + offset, last_arrival_ns=last,
                             finished_ns=r.finished_ns + offset))
     out.sort(key=lambda s: (s.start_ns, s.rank, s.device))
     return out

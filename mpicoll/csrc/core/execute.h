@@ -198,7 +198,8 @@ ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,
   SerializedMpiScope serialized;
   CheckPlan plan = PlanCheck(c, device, describe);
   if constexpr (Op::kFamily == kPeer) plan.check = false;
-  InFlightScope watched(c, device, /*new_call=*/true, c.queued_ns, plan.facts);
+  InFlightScope watched(c, device, /*new_call=*/true, c.queued_ns, plan.facts,
+                        /*collective=*/Op::kFamily != kPeer);
   ffi::Error result = [&] {
     if (ChecksWithData<Op, Memory, BeforeRun>(c, plan)) {
       return AllreduceCheckedWithData(c, device, plan, watched);

@@ -307,7 +307,7 @@ struct InFlightScope {
   uint64_t sequence = 0;
   bool failed = false;  // set by the caller when the collective returns an error
   InFlightScope(const Call& c, int32_t device, bool new_call = true, int64_t queued_ns = 0,
-                const CallFacts* facts = nullptr) {
+                const CallFacts* facts = nullptr, bool collective = true) {
     slot = &in_flight[device];
     slot->name.store(c.name, std::memory_order_relaxed);
     slot->rank.store(c.rank, std::memory_order_relaxed);
@@ -317,10 +317,15 @@ struct InFlightScope {
     slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
     CommCounter& counter = CounterOf(device, c.comm_key, c.comm);
     const int64_t now = NowNs();
-    sequence = counter.sequence.load(std::memory_order_relaxed);
+    // A point-to-point call (collective=false) involves two ranks of the
+    // communicator only: it takes no sequence number (0), or the members'
+    // numbers would drift apart.
+    sequence = collective ? counter.sequence.load(std::memory_order_relaxed) : 0;
     if (new_call) {
-      counter.sequence.store(++sequence, std::memory_order_relaxed);
-      if (facts) counter.last.store(facts, std::memory_order_relaxed);
+      if (collective) {
+        counter.sequence.store(++sequence, std::memory_order_relaxed);
+        if (facts) counter.last.store(facts, std::memory_order_relaxed);
+      }
       counter.used_ns.store(now, std::memory_order_relaxed);
       if (Recording()) {
         record = BeginRecord(device, c, counter.identity, sequence, queued_ns, now);

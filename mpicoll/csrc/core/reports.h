@@ -149,7 +149,8 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
     else if (states[r].Answered() && states[r].InCollective()) waiting.insert(static_cast<int>(r));
   }
   for (const CallState& w : mine.calls) {
-    if (w.phase == kPhaseDone || w.seconds < kProbeAfter) continue;
+    // (sequence 0: a point-to-point call, which only its peer can match)
+    if (w.phase == kPhaseDone || w.seconds < kProbeAfter || w.sequence == 0) continue;
     const Membership* membership = nullptr;
     for (const Membership& m : known) {
       if (m.hash == w.comm_hash) membership = &m;
