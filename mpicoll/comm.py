@@ -23,7 +23,7 @@ import time
 import jax
 from mpi4py import MPI
 
-from . import _native, _settings
+from . import _compat, _native, _settings
 from ._native import extension
 
 _BUILD = extension.build_info()
@@ -148,16 +148,11 @@ def _register(comm, caller):
 def _first_call(caller):
     """What a communicator's first use is for the watchdog: the collective and the
     user's line that calls it."""
-    import traceback
+    where = _compat.current_user_source_line(_PACKAGE)
+    return f"{caller} (called at {where})" if where else caller
 
-    mpicoll_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    jax_dir = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((mpicoll_dir, jax_dir)) and "/jax/" not in path \
-                and not frame.filename.startswith("<frozen"):
-            return f"{caller} (called at {path}:{frame.lineno} ({frame.name}))"
-    return caller
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpicoll's own frames
 
 
 def _world_ranks(comm):

@@ -107,8 +107,17 @@ def backends_initialized():
 def user_source_line(ctx, skip_prefix):
     """"file:line (function)" of the user's code a lowering rule's equation was traced
     at: the first frame JAX counts as user code whose file is not under skip_prefix."""
+    return _user_line(getattr(ctx, "traceback", None), skip_prefix)
+
+
+def current_user_source_line(skip_prefix):
+    """user_source_line of the code running now (outside a lowering rule)."""
     from jax._src import source_info_util
-    traceback = getattr(ctx, "traceback", None)
+    return _user_line(source_info_util.current().traceback, skip_prefix)
+
+
+def _user_line(traceback, skip_prefix):
+    from jax._src import source_info_util
     if traceback is None:
         return None
     for frame in source_info_util.user_frames(traceback):

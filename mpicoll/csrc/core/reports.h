@@ -149,8 +149,13 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
     else if (states[r].Answered() && states[r].InCollective()) waiting.insert(static_cast<int>(r));
   }
   for (const CallState& w : mine.calls) {
-    // (sequence 0: a point-to-point call, which only its peer can match)
-    if (w.phase == kPhaseDone || w.seconds < kProbeAfter || w.sequence == 0) continue;
+    // Not judged: sequence 0, a point-to-point call (only its peer can match
+    // it); no description, a wait inside a call (a process's local devices
+    // meeting for a combined allreduce), whose MPI part is its leader's call.
+    if (w.phase == kPhaseDone || w.seconds < kProbeAfter || w.sequence == 0 ||
+        w.call_hash == 0) {
+      continue;
+    }
     const Membership* membership = nullptr;
     for (const Membership& m : known) {
       if (m.hash == w.comm_hash) membership = &m;
@@ -161,6 +166,7 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
       const RankState& theirs = states[m];
       if (!theirs.Answered() && theirs.head.ending == kAlive) continue;  // cannot tell
       const CallState* on = theirs.On(w.comm_hash);
+      if (on && on->call_hash == 0) continue;  // a wait inside a call: cannot tell
       const uint64_t sequence = on ? on->sequence : 0;
       const bool same_call = on && on->call_hash == w.call_hash;
       if (on && sequence == w.sequence && w.phase != kPhaseSetup) {
