@@ -44,6 +44,8 @@ constexpr int kTracebackNoticeTag = 7304;  // "rank r prints the traceback that 
 constexpr int kEndNoticeTag = 7305;        // "rank r has ended: its last calls are ..."
 constexpr int kDumpNoticeTag = 7306;       // "rank r reports a divergence: write your records"
 constexpr double kAnswerWithin = 3.0;      // s a report waits for the other ranks' answers
+constexpr double kProbeAnswerWithin = 1.0;  // s a probe waits: a rank that cannot answer
+                                            // is not asked again for 3 s at each probe
 
 inline void Copy(char* into, size_t size, const std::string& text) {
   std::snprintf(into, size, "%s", text.c_str());
@@ -189,6 +191,7 @@ struct RankStateHeader {
   int32_t exit_code = 0;
   int32_t count = 0;        // CallStates that follow
   double idle_seconds = 0;  // since a local device last left a collective (none in one)
+  double waited = 0;        // (set by the asker) how long it waited for an answer that never came
   char host[64] = {};
   char ended_at[160] = {};  // where its script finished or its process exits
 };
@@ -486,9 +489,10 @@ inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms
 
 // Every rank's state, this one's included: ended ranks from their notices,
 // the others asked (for the communicators in `asked`); a rank that does not
-// answer within kAnswerWithin seconds keeps world_rank = -1.
+// answer within `answer_within` seconds keeps world_rank = -1.
 inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked,
-                                              bool for_report = false) {
+                                              bool for_report = false,
+                                              double answer_within = kAnswerWithin) {
   static std::mutex asking;  // the watchdog, or a process about to exit (AnnounceEnd)
   std::lock_guard<std::mutex> one_at_a_time(asking);
   const int size = world_size.load(), me = WorldRank();
@@ -513,7 +517,7 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
               kStateRequestTag, comm, &sends.back());
     ++waiting_for;
   }
-  const int64_t deadline = NowNs() + static_cast<int64_t>(kAnswerWithin * 1e9);
+  const int64_t deadline = NowNs() + static_cast<int64_t>(answer_within * 1e9);
   // Polls rather than blocks, so that it answers requests meanwhile and sees
   // watchdog_stop: the process may be about to finalize MPI.
   while (waiting_for > 0 && NowNs() < deadline && !watchdog_stop.load()) {
@@ -533,6 +537,9 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
     RankState theirs = Unpack(data);
     if (!states[status.MPI_SOURCE].Answered()) --waiting_for;
     states[status.MPI_SOURCE] = std::move(theirs);
+  }
+  for (RankState& s : states) {
+    if (!s.Answered()) s.head.waited = answer_within;
   }
   // Requests to ranks that never answered stay posted; they match nothing else.
   int all_sent = 0;

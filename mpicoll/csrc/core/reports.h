@@ -54,7 +54,7 @@ inline std::string RankLine(int rank, const RankState& s, std::vector<uint64_t> 
   comms.erase(std::unique(comms.begin(), comms.end()), comms.end());
   if (!s.Answered() && s.head.ending == kAlive) {
     return "  rank " + std::to_string(rank) + " (" + HostOf(rank) + "): no answer within " +
-           std::to_string(static_cast<int>(kAnswerWithin)) +
+           std::to_string(static_cast<int>(s.head.waited)) +
            " s (its process is gone, stopped, or its host unreachable)\n";
   }
   std::string text = "  rank " + std::to_string(rank) + " (" + s.head.host + "): ";

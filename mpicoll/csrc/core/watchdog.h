@@ -213,7 +213,8 @@ inline void Watchdog() {
       const std::vector<Membership> known = WaitedMemberships();
       std::vector<uint64_t> asked;
       for (const Membership& m : known) asked.push_back(m.hash);
-      const std::vector<RankState> states = EveryRanksState(asked);
+      const std::vector<RankState> states =
+          EveryRanksState(asked, /*for_report=*/false, kProbeAnswerWithin);
       if (watchdog_stop.load()) return;
       const Verdict v = FindDivergence(states, known);
       if (v.found && (v.certain || v.key == last_verdict)) {
