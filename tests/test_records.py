@@ -18,6 +18,9 @@ from conftest import _LAUNCHER_PREFIXES
 from mpicoll import _records
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
+# What Open MPI's mpirun gives its ranks (OMPI_MCA_ess=^singleton among them): a process
+# that inherits them cannot start on its own ("OPAL ERROR: Unreachable").
+_OPEN_MPI_JOB = ("OMPI_",)
 
 
 def _event(rank, sequence, call, started, finished, comm=WORLD, members="0,1,2", device=0):
@@ -43,7 +46,8 @@ def _flight(directory):
     of its own, outside any launcher's job (under `mpiexec ... pytest --with-mpi` each rank
     runs its own)."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(_LAUNCHER_PREFIXES)}
+           if not key.startswith(_LAUNCHER_PREFIXES + _OPEN_MPI_JOB)
+           or key.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
     done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
                           capture_output=True, text=True, timeout=120, env=env)
     return done.returncode, done.stdout + done.stderr

@@ -20,6 +20,9 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
   baseline      no divergence (what the others' times to end are measured against)
   check-shape   (MPICOLL_CHECK=1) the odd rank's call has another shape: every rank
                 raises the same exception type
+  late-check    every rank calls the step at a new shape, the odd rank at another one;
+                at 3+ ranks rank 0 comes 1.5 s late, while the others compare their
+                calls: every rank raises the mismatch (the job goes on)
 
 Each rank prints `rank R: returned VALUES` for a value it got (`WRONG` if it is
 not what numpy says its program computes), or `rank R: raised TYPE: FIRST LINE`
@@ -28,6 +31,7 @@ for an exception it caught (the MPICOLL_CHECK=1 cases).
 
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +112,11 @@ elif CASE == "exit-mid":
     returned(step(warm), 2.0 * SIZE * np.ones(4))
 elif CASE == "baseline":  # no divergence: the warm-up alone (benchmarks/divergence.py)
     pass
-elif CASE == "check-shape":
+elif CASE in ("check-shape", "late-check"):
     try:
-        n = 5 if ODD else 4
+        n = {"check-shape": 5 if ODD else 4, "late-check": 7 if ODD else 6}[CASE]
+        if CASE == "late-check" and RANK == 0 and not ODD:
+            time.sleep(1.5)
         returned(step(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
     except Exception as error:  # every rank: the same type
         say(f"raised {type(error).__name__}: {str(error).splitlines()[0]}")

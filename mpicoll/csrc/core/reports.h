@@ -170,6 +170,9 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
       const uint64_t sequence = on ? on->sequence : 0;
       const bool same_call = on && on->call_hash == w.call_hash;
       if (on && sequence == w.sequence && w.phase != kPhaseSetup) {
+        // Both comparing their calls across the ranks: the checks meet on the
+        // checks' communicator, and every rank raises the mismatch.
+        if (on->phase == kPhaseChecking && w.phase == kPhaseChecking) continue;
         const bool one_checks = (on->phase == kPhaseChecking) != (w.phase == kPhaseChecking) &&
                                 on->phase != kPhaseDone;
         if (!same_call || one_checks) {
