@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from . import _blocks, _compat, _ranks_devices, _typing, comm as comm_layer
+from . import _blocks, _compat, _local_meeting, _ranks_devices, _typing, comm as comm_layer
 from ._dispatch import bind
 from .p2p import PROC_NULL, SENDRECV
 
@@ -61,23 +61,43 @@ class _Participants:
     (participant k * ranks + r for device k of rank r, not r * local + k).
     """
 
-    def __init__(self, comm, layout, count, local_axis=None, local=1, devices_first=False):
+    def __init__(self, comm, layout, count, local_axis=None, local=1, devices_first=False,
+                 order=None):
         self.comm, self.layout, self.count = comm, layout, count
         self.local_axis, self.local, self.devices_first = local_axis, local, devices_first
+        # order[r * L + k]: the index, in the axes' order, of device k of rank r
+        if order is None and devices_first:
+            j = np.arange(count)
+            order = (j % local) * comm.size + j // local
+        self.order = None if order is None or (np.asarray(order) == np.arange(count)).all() \
+            else np.asarray(order)
 
     def rank_major(self, rows):
         """Rows indexed in the axes' order, reordered rank-major (row r * L + k)."""
-        if not self.devices_first:
-            return rows
-        p = np.arange(self.count)
-        return rows[(p % self.local) * self.comm.size + p // self.local]
+        return rows if self.order is None else rows[self.order]
 
     def axes_order(self, rows):
         """Rows indexed rank-major, reordered as the axes name the participants."""
-        if not self.devices_first:
-            return rows
-        q = np.arange(self.count)
-        return rows[(q % self.comm.size) * self.local + q // self.comm.size]
+        return rows if self.order is None else rows[np.argsort(self.order)]
+
+    def rank_major_index(self, participant):
+        """The rank-major row (r * L + k) of a participant given in the axes' order."""
+        return participant if self.order is None else int(np.argsort(self.order)[participant])
+
+    def meets(self):
+        """Whether the local devices meet in mpicoll's handler for a collective that
+        moves blocks between participants (one MPI collective per process,
+        _local_meeting.py): the whole layout, and the ranks x a local axis on CPU
+        (where the composition would move each block once per participant)."""
+        return self.layout == WHOLE or (self.layout == RANKS_X_AXIS
+                                        and jax.default_backend() == "cpu")
+
+    def meet(self, x, kind, **params):
+        """_local_meeting.meet over these participants; x typed varying over the
+        local axis too, as JAX's collective over it would type it."""
+        if self.layout == RANKS_X_AXIS and _vma():
+            x = _compat.pvary(x, (self.local_axis,))
+        return _local_meeting.meet(x, kind, self.comm, self.local, **params)
 
     def index(self, axes):
         """This participant's index in the axes' order (traced where it depends on the device)."""
@@ -162,7 +182,10 @@ def _grouping(names, sizes, axes, processes, local):
         if all(len(found) == 1 for found in orders.values()):
             return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
     if all(len(m) == len(ranks_of[g]) * local for g, m in members.items()):
-        return WHOLE, [(color[q], q) for q in range(processes)]
+        # Each process's place in the axes' order of its group's participants, rank-major
+        # (its communicator ranks the processes by index, each with its devices in order).
+        orders = {g: tuple(int(p) for p in position[sorted(m)]) for g, m in members.items()}
+        return WHOLE, [(color[q], q, orders[group_of[q * local]]) for q in range(processes)]
     return None, "its groups take some but not all of a process's devices"
 
 
@@ -184,12 +207,13 @@ def _over_processes(axes, caller):
             "axis and a device axis, e.g. jax.make_mesh((jax.process_count(), "
             "jax.local_device_count()), ('proc', 'dev')), and collect over ('proc',) or "
             "('proc', 'dev')")
-    color, key = groups[jax.process_index()]
+    color, key, *order = groups[jax.process_index()]
     comm = _mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
     if comm.size == 1 and layout == PER_DEVICE:
         return None  # the axes stay inside this process: XLA's own collective
     count = comm.size * (local if layout == WHOLE else 1)
-    return _Participants(comm, layout, count)
+    return _Participants(comm, layout, count, local=local if layout == WHOLE else 1,
+                         order=order[0] if order else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,10 +263,10 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather is typed varying and transposes to psum_scatter (transpose_sums);
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
     varying = not (invariant and _vma())
-    if who.layout == WHOLE:
+    if who.layout == WHOLE and varying:
+        rows = who.axes_order(who.meet(x, "allgather"))
+    elif who.layout == WHOLE:  # typed invariant: a sum of placed rows (count x the bytes)
         rows = _placed_sum(x, who, who.index(who.axes))
-        if varying and _vma():
-            rows = _compat.pvary(rows, who.axes)
     else:
         rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
     if who.layout == RANKS_X_AXIS:
@@ -280,10 +304,9 @@ def _psum_scatter(x, who, *, scatter_dimension, tiled):
                 f"{x.shape[scatter_dimension]}; without tiled it must equal the number of "
                 f"participants, {who.count}")
         rows = jnp.moveaxis(x, scatter_dimension, 0)
-    if who.layout == WHOLE:
-        return lax.dynamic_index_in_dim(_allreduce(rows, "sum", who), who.index(who.axes), 0,
-                                        keepdims=False)
     rows = who.rank_major(rows)
+    if who.layout == WHOLE:
+        return who.meet(rows, "reduce_scatter")
     if who.layout == PER_DEVICE:
         return bind(_blocks.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
                     transpose_sums=not _vma())
@@ -293,12 +316,10 @@ def _psum_scatter(x, who, *, scatter_dimension, tiled):
 def _exchange(rows, who):
     """An alltoall on rows in the axes' order: row j goes to participant j, and
     row j of the result came from participant j."""
-    if who.layout == WHOLE:
-        me = who.index(who.axes)
-        everyone = _placed_sum(rows, who, me)  # [source, destination, ...]
-        return lax.dynamic_index_in_dim(everyone, me, 1, keepdims=False)
     rows = who.rank_major(rows)
-    if who.layout == PER_DEVICE:
+    if who.layout == WHOLE:
+        rows = who.meet(rows, "alltoall")
+    elif who.layout == PER_DEVICE:
         rows = bind(_blocks.ALLTOALL, rows, comm=who.comm)
     else:
         rows = _ranks_devices.alltoall(rows, who.comm, who.local_axis)
@@ -339,6 +360,12 @@ def _ppermute(x, who, *, perm):
             f"{who.local_axis!r}), not ({who.local_axis!r}, {RANKS!r}); the permutation's "
             "indices are then rank * local devices + device")
     pairs = _checked_permutation(perm, who.count)
+    if who.layout == WHOLE:
+        # As JAX numbers ppermute's participants: by the mesh's order of the axes.
+        names, _ = _global_mesh()
+        in_mesh_order = tuple(sorted(who.axes, key=names.index))
+        if in_mesh_order != who.axes:
+            who = _over_processes(in_mesh_order, "ppermute")
     if who.layout == PER_DEVICE:
         rank = who.comm.rank
         dest = next((d for s, d in pairs if s == rank), PROC_NULL)
@@ -349,9 +376,13 @@ def _ppermute(x, who, *, perm):
             ("source", source), ("dest", dest), ("sendtag", 0), ("recvtag", 0),
             ("shape", tuple(x.shape))))
         return _zeros_like(out) if source == PROC_NULL else out
-    # Across ranks and devices every device runs one program, so its partners
-    # are data: each participant sends a row to its destination only, in an
-    # alltoall (count x the bytes of a point-to-point exchange).
+    if who.meets():
+        # Every device runs one program, so its partners are data: the local devices
+        # meet and their process sends each block once, to its destination's process.
+        return who.meet(x, "permute", pairs=[(who.rank_major_index(s), who.rank_major_index(d))
+                                             for s, d in pairs])
+    # Elsewhere (GPUs, ranks x a local axis): each participant sends a row to its
+    # destination only, in an alltoall (count x the bytes of a point-to-point exchange).
     destination = np.full(who.count, -1)
     source = np.full(who.count, -1)
     for s, d in pairs:
@@ -371,13 +402,11 @@ def _pbroadcast(x, who, *, source):
                          "participants")
     if who.layout == PER_DEVICE:
         return bind(_blocks.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
-    if who.layout == RANKS_X_AXIS:
+    if not who.meets():
         raise NotImplementedError(
-            "jax.lax.pbroadcast over the ranks and a local axis: use it over mpicoll.RANKS "
-            "alone, or mpicoll.bcast(x, root, axis_name=local_axis)")
-    mine = who.index(who.axes) == source
-    total = _allreduce(jnp.where(mine, x, jnp.zeros((), x.dtype)), "sum", who)
-    return _compat.pvary(total, who.axes) if _vma() else total
+            "jax.lax.pbroadcast over the ranks and a local axis on GPUs: use it over "
+            "mpicoll.RANKS alone, or mpicoll.bcast(x, root, axis_name=local_axis)")
+    return who.meet(x, "bcast", root=who.rank_major_index(source))
 
 
 _MAPPED = {*_REDUCTIONS, "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",

@@ -31,9 +31,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from . import _blocks, _compat, _settings, _types, _typing, _validate, comm as comm_layer, overlap
+from . import (_blocks, _compat, _local_meeting, _settings, _types, _typing, _validate,
+               comm as comm_layer, overlap)
 from ._dispatch import bind
 from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 
@@ -114,7 +116,7 @@ def _composed_allreduce(x, name, comm, axis_name):
 
 # ---------------------------------------------------------------------------
 # Small arrays: the L device threads combine their data in mpicoll's own
-# handler (csrc/local_combine.cc, CpuLocalAllreduceEntry: a meeting of the local
+# handler (csrc/local_meeting.cc, CpuLocalMeetingEntry: a meeting of the local
 # threads, one MPI allreduce by one of them), instead of XLA's collective over
 # the local devices followed by L MPI allreduces.  Measured at 2 ranks x 2
 # devices on 2 cores (Open MPI 4.1, float32 sum, jitted loop of 100, medians
@@ -176,8 +178,9 @@ def _combined_abstract_eval(x, *, axis_name, local, op, **params):
 
 def _combined_lowering(ctx, x, *, comm, op, local, **params):
     # In place: a dead or donated x (a loop carry) is the output buffer.
-    return ordered_ffi_call(ctx, "mpicoll_allreduce_local", x, aliases={1: 1}, comm=comm,
-                            op=op, local=local)
+    return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, aliases={1: 1}, comm=comm,
+                            op=op, root=0, local=local, kind=_local_meeting.KINDS["allreduce"],
+                            pairs=np.zeros(0, np.int64))
 
 
 def _combined_elsewhere(ctx, x, **params):

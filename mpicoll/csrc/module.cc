@@ -11,7 +11,7 @@
 //   entries/cpu.cc         CPU handlers (data, fused, overlapped), the barrier
 //   entries/cuda.cc        CUDA handlers (empty without MPICOLL_CUDA)
 //   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
-//   local_combine.cc       the local devices' meeting for small global allreduces
+//   local_meeting.cc       the local devices' meeting: one MPI collective per process
 // They share core/ and memory/, which are headers: every function there is a
 // template or `inline` and every piece of state an `inline` variable (C++17),
 // so each exists once in the module whichever units include it, and each

@@ -49,7 +49,9 @@ MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL) if not MAKING_REFERENCE else slic
 # (mesh shape, mesh axis names, the axes collected over)
 LAYOUTS = [((N,), ("x",), ("x",)),
            ((SIZE, LOCAL), ("proc", "dev"), ("proc",)),
-           ((SIZE, LOCAL), ("proc", "dev"), ("proc", "dev"))]
+           ((SIZE, LOCAL), ("proc", "dev"), ("proc", "dev")),
+           # the participants device-major: the handler's rows reordered around the call
+           ((SIZE, LOCAL), ("proc", "dev"), ("dev", "proc"))]
 XLA_COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|collective-permute|"
                             r"reduce-scatter|collective-broadcast")
 NO_VJP = ("pmax", "pmin", "all_to_all untiled")  # JAX has none of its own to compare with
@@ -116,6 +118,35 @@ for shape, names, axes in LAYOUTS:
         key = f"{name} over {axes} of {shape}"
         attempt(key, lambda: run_case(key, body, block, shape, names, axes))
 
+def pbroadcast_against_numpy(shape, names, axes):
+    # JAX has no CPU lowering of its own pbroadcast to compare with: numpy's.  Every
+    # participant gets the source's block; the vjp sums every cotangent at the source.
+    everyone = data((2, 3), 11)
+    count = int(np.prod([shape[names.index(a)] for a in axes]))
+    mesh = jax.make_mesh(shape, names)
+    spec = P(names)
+    as_global = lambda rows: jax.make_array_from_process_local_data(  # noqa: E731
+        NamedSharding(mesh, spec), local_blocks(rows))
+    program = jax.jit(jax.shard_map(lambda x: jax.lax.pbroadcast(x, axes, source=count - 1),
+                                    mesh=mesh, in_specs=spec, out_specs=spec))
+    # The participant at axis index count - 1, as a device of the mesh (shape order).
+    coords = np.stack(np.unravel_index(np.arange(N), shape), axis=1)
+    index = np.ravel_multi_index(tuple(coords[:, [names.index(a) for a in axes]].T),
+                                 [shape[names.index(a)] for a in axes])
+    groups = [tuple(row) for row in coords[:, [j for j, n in enumerate(names) if n not in axes]]]
+    source = {g: d for d, g in enumerate(groups) if index[d] == count - 1}
+    expected = np.stack([everyone[source[g]] for g in groups])
+    check(f"pbroadcast over {axes} of {shape}", mine(program(as_global(everyone))),
+          local_blocks(expected))
+    cotangents = data((2, 3), 12)
+    _, pullback = jax.vjp(program, as_global(everyone))
+    sums = {g: cotangents[[d for d in range(N) if groups[d] == g]].sum(0) for g in set(groups)}
+    grad = np.stack([sums[g] if index[d] == count - 1 else np.zeros((2, 3))
+                     for d, g in enumerate(groups)])
+    check(f"pbroadcast over {axes} of {shape}: vjp",
+          mine(pullback(as_global(cotangents))[0]), local_blocks(grad))
+
+
 def a_mesh_not_process_major_is_refused():
     # Devices listed the other way round: every process refuses it when lowering.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("x",))
@@ -133,6 +164,9 @@ def a_mesh_not_process_major_is_refused():
 
 if not MAKING_REFERENCE and SIZE > 1:
     attempt("a mesh not process-major", a_mesh_not_process_major_is_refused)
+    for shape, names, axes in LAYOUTS[1:] if LOCAL > 1 else LAYOUTS[:1]:
+        attempt(f"pbroadcast over {axes}",
+                lambda: pbroadcast_against_numpy(shape, names, axes))
 
 if MAKING_REFERENCE:
     if failures:

@@ -127,5 +127,25 @@ def invariant_results():
                   ours(rows(everyone[MINE])), numpy_reduce(everyone.astype(dtype), axis=0))
 
 
+def pbroadcast_against_numpy():
+    # JAX has no CPU lowering of its own pbroadcast: numpy's.  The source is the last
+    # participant in the axes' order; the vjp sums every cotangent there.
+    everyone, cotangents = data((2, 3), 13), data((2, 3), 14)
+    for axes in LAYOUTS[1:]:
+        spec = P((R, "dev"))  # block p = rank * L + k
+        program = jax.jit(jax.shard_map(lambda x: lax.pbroadcast(x, axes, N - 1), mesh=MESH,
+                                        in_specs=spec, out_specs=spec))
+        # participant N - 1 in the axes' order, as block rank * L + k
+        source = N - 1 if axes[0] == R else (N - 1) % SIZE * LOCAL + (N - 1) // SIZE
+        got, pullback = jax.vjp(program, rows(everyone[MINE]))
+        check(f"pbroadcast over {axes}", got, np.concatenate([everyone[source]] * LOCAL))
+        grad = np.zeros_like(cotangents)
+        grad[source] = cotangents.sum(0)
+        check(f"pbroadcast over {axes}: vjp", pullback(rows(cotangents[MINE]))[0],
+              np.concatenate(grad[MINE]))
+
+
 attempt("invariant reductions", invariant_results)
+if LOCAL > 1:
+    attempt("pbroadcast over ranks and devices", pbroadcast_against_numpy)
 report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")

@@ -224,7 +224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BarrierHandler, BarrierEntry,
 std::vector<Registration> CpuRegistrations() {
   std::vector<Registration> registrations{{"mpicoll_barrier", BarrierHandler},
                                           {"mpicoll_status", CpuStatusHandler},
-                                          {"mpicoll_allreduce_local", CpuLocalAllreduce}};
+                                          {"mpicoll_local_meeting", CpuLocalMeeting}};
   MPICOLL_OPS(MPICOLL_CPU_REGISTRATION)
   MPICOLL_OPS(MPICOLL_CPU_OVERLAPPED_REGISTRATION)
   return registrations;

@@ -89,8 +89,8 @@ struct Registration {
 std::vector<Registration> CpuRegistrations();
 XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
 
-// local_combine.cc: the global allreduce of small arrays.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalAllreduce);
+// local_meeting.cc: collectives whose local devices meet in this process.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalMeeting);
 
 // entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
 // Runs collective `name` (a rank-block one) on `comm` from `in` to `out`

@@ -1,0 +1,500 @@
+// The local meeting: a collective over every device of several processes (a
+// global mesh's axes that span processes and their devices, or the ranks x
+// devices allreduce of small arrays) whose L local device threads meet in this
+// process, so that ONE MPI collective moves the process's data.
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "core/call.h"
+#include "core/collectives.h"
+#include "core/comm_table.h"
+#include "core/execute.h"
+#include "core/guard.h"
+#include "entries/entries.h"
+#include "memory/host.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+namespace {
+
+// The participants are the P ranks of the communicator times the L local
+// devices of each, numbered rank-major: row j = rank * L + device (Python
+// reorders rows to the mesh axes' order around the call).  A "row" is one
+// participant's block: a device's whole input for allreduce, allgather,
+// permute and bcast; 1/(P*L) of it for reduce_scatter and alltoall, whose input
+// holds one row per participant.  What each kind packs into the leader's send
+// buffer, which MPI collective the leader runs, and what each device takes out:
+//
+//   kind            pack (every device at once)       MPI (leader)         device k takes
+//   allreduce       1/L of the reduction of the L      MPI_Allreduce        the whole result
+//                   inputs (slices in parallel)        in place
+//   allgather       its row at place k                 MPI_Allgather        every row
+//   reduce_scatter  1/L of the reduction (as above)    reduce-scatter of    row k
+//                                                      blocks of L rows
+//   alltoall        its row for (r, k') at             MPI_Alltoall of      (r, k)'s row for
+//                   ((r * L + k) * L + k')             blocks of L*L rows   k, every r and k
+//   permute         its row, once per pair that        MPI_Alltoallv        the row of the
+//                   sends from it (by destination      (counts from the     pair that sends
+//                   rank, then source row)             pairs)               to it, else zeros
+//   bcast           the root's row (root rank, root    MPI_Bcast            the row
+//                   device)
+//   reduce          1/L of the reduction (as above)    MPI_Reduce to the    the root: the sum;
+//                                                      root's rank          others zeros
+//
+// Bytes each rank sends are then those of the direct collective over P*L
+// participants, whatever L: no device's data crosses the network twice, and
+// none is padded with zeros (issue 34).
+//
+// The meeting: each thread posts its input and output and waits; the last
+// arrival sorts them by device (the leader, lowest ordinal, first: the same
+// local device on every rank, so every leader talks on the same
+// communicator).  Every thread packs its part, the leader runs the MPI
+// collective (Execute: check mode, timeout, serialized lock, records, as for
+// any call) and publishes; every thread copies its part out.  A generation
+// counter separates successive calls: a thread that returns and comes back for
+// the next call cannot mix with one still copying out, because the next call
+// cannot finish (nor, since only the last arrival resizes the buffers, touch
+// them) before that thread arrives too.  Inputs are read only while packing,
+// when every thread is still inside the call, so no XLA buffer is read after
+// its thread has returned.  Waiting threads are watched by the timeout like an
+// MPI wait; a short spin before sleeping keeps the wake-up off the futex path
+// at small sizes.
+enum MeetingKind : int64_t {
+  kMeetAllreduce = 0,
+  kMeetAllgather = 1,
+  kMeetReduceScatter = 2,
+  kMeetAlltoall = 3,
+  kMeetPermute = 4,
+  kMeetBcast = 5,
+  kMeetReduce = 6,  // bcast's transpose: the sum at the root, zeros elsewhere
+};
+
+const char* KindName(int64_t kind) {
+  static const char* const names[] = {"allreduce", "allgather", "reduce_scatter", "alltoall",
+                                      "permute", "bcast", "reduce"};
+  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
+}
+
+// What the watchdog says a device waiting for the others of its process is in.
+const char* WaitingName(int64_t kind) {
+#define MPICOLL_WAITING(name) name " (waiting for this process's other local devices)"
+  static const char* const names[] = {
+      MPICOLL_WAITING("allreduce"), MPICOLL_WAITING("allgather"),
+      MPICOLL_WAITING("reduce_scatter"), MPICOLL_WAITING("alltoall"),
+      MPICOLL_WAITING("permute"), MPICOLL_WAITING("bcast"), MPICOLL_WAITING("reduce")};
+#undef MPICOLL_WAITING
+  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
+}
+
+struct LocalMeeting {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::atomic<uint64_t> generation{0};  // calls completed
+  std::atomic<int> arrived{0};
+  std::atomic<int> packed{0};  // threads done packing in this call
+  int expected = 0;
+  size_t bytes = 0;
+  int64_t kind = -1;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  int64_t op = -1;
+  const char* inputs[kMaxLocalDevices];
+  int32_t devices[kMaxLocalDevices];
+  std::vector<char> send, receive;
+  std::vector<int64_t> counts;  // permute: MPI_Alltoallv's row size and counts
+  std::string mismatch;         // arrivals that disagree (never in one SPMD program)
+  std::string error;            // this generation's failure, seen by every thread
+};
+// One per communicator slot, like the table row it serves.
+LocalMeeting* const local_meetings = new LocalMeeting[kMaxComms];
+constexpr int64_t kLocalSpinNs = 50000;
+
+// Waits (spin, then sleep) until ready() holds; ready reads atomics only.
+template <typename Ready>
+void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready) {
+  if (ready()) return;
+  lock.unlock();
+  const int64_t spin_until = NowNs() + kLocalSpinNs;
+  while (!ready() && NowNs() < spin_until) std::this_thread::yield();
+  lock.lock();
+  m.changed.wait(lock, ready);
+}
+
+// What one call of the meeting is: the participants and the row they exchange.
+struct Meeting {
+  int64_t kind;
+  int ranks, local, rank, part;  // part: this device's place among the local devices
+  size_t row_bytes;
+  ffi::Span<const int64_t> pairs;  // permute: (source row, destination row) pairs
+  int64_t root;                    // bcast: the root participant's row
+};
+
+// Slice `part` of the reduction of the L inputs (in device order, so the
+// result does not depend on who arrived first) into `into`, with MPI's own
+// operators (every op and dtype the MPI collective takes).  The slices are
+// disjoint: every thread reduces its own at once.
+ffi::Error ReduceLocalSlice(const LocalMeeting& m, const Call& c, int part, char* into) {
+  const size_t count = c.in_count;
+  const size_t begin = count * part / m.expected, end = count * (part + 1) / m.expected;
+  const size_t offset = begin * c.elem_bytes;
+  std::memcpy(into + offset, m.inputs[0] + offset, (end - begin) * c.elem_bytes);
+  for (int i = 1; i < m.expected; ++i) {
+    for (size_t at = begin; at < end; at += kMaxChunk) {
+      const int n = static_cast<int>(std::min(kMaxChunk, end - at));
+      const size_t from = offset + (at - begin) * c.elem_bytes;
+      const int rc = MPI_Reduce_local(m.inputs[i] + from, into + from, n, c.type, c.mpi_op);
+      if (rc != MPI_SUCCESS) return MpiFailure(c, rc);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// permute: where row `row`'s pairs put their data.  The send buffer holds the
+// pairs from this rank, by destination rank, then source row; the receive
+// buffer those to this rank, by source rank, then source row (what
+// MPI_Alltoallv makes of the send buffers of every rank).
+struct PermuteSlots {
+  std::vector<int64_t> send_counts, receive_counts;
+  explicit PermuteSlots(const Meeting& g) : send_counts(g.ranks), receive_counts(g.ranks) {
+    for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
+      const int from = static_cast<int>(g.pairs[i] / g.local);
+      const int to = static_cast<int>(g.pairs[i + 1] / g.local);
+      if (from == g.rank) ++send_counts[to];
+      if (to == g.rank) ++receive_counts[from];
+    }
+  }
+  // The place of pair (source, destination) in this rank's send buffer.
+  static size_t SendSlot(const Meeting& g, int64_t source, int64_t destination) {
+    return Slot(g, source, destination, /*by_destination=*/true);
+  }
+  static size_t ReceiveSlot(const Meeting& g, int64_t source, int64_t destination) {
+    return Slot(g, source, destination, /*by_destination=*/false);
+  }
+
+ private:
+  // Pairs of this rank's block that come before (source, destination).
+  static size_t Slot(const Meeting& g, int64_t source, int64_t destination,
+                     bool by_destination) {
+    const int64_t block = (by_destination ? destination : source) / g.local;
+    size_t slot = 0;
+    for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
+      const int64_t s = g.pairs[i], d = g.pairs[i + 1];
+      if ((by_destination ? s : d) / g.local != g.rank) continue;  // not this rank's
+      const int64_t b = (by_destination ? d : s) / g.local;
+      if (b < block || (b == block && s < source)) ++slot;
+    }
+    return slot;
+  }
+};
+
+// This thread's part before the MPI call (every thread at once).
+ffi::Error Pack(LocalMeeting& m, const Call& c, const Meeting& g, const char* input) {
+  const size_t row = g.row_bytes;
+  const int L = g.local;
+  switch (g.kind) {
+    case kMeetAllreduce:
+    case kMeetReduceScatter:
+    case kMeetReduce:
+      return ReduceLocalSlice(m, c, g.part, m.send.data());
+    case kMeetAllgather:
+      std::memcpy(m.send.data() + g.part * row, input, row);
+      break;
+    case kMeetAlltoall:
+      for (int r = 0; r < g.ranks; ++r) {
+        for (int k = 0; k < L; ++k) {
+          std::memcpy(m.send.data() + ((static_cast<size_t>(r) * L + g.part) * L + k) * row,
+                      input + (static_cast<size_t>(r) * L + k) * row, row);
+        }
+      }
+      break;
+    case kMeetPermute: {
+      const int64_t me = static_cast<int64_t>(g.rank) * L + g.part;
+      for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
+        if (g.pairs[i] != me) continue;
+        std::memcpy(m.send.data() + PermuteSlots::SendSlot(g, me, g.pairs[i + 1]) * row, input,
+                    row);
+      }
+      break;
+    }
+    case kMeetBcast:
+      if (g.root == static_cast<int64_t>(g.rank) * L + g.part) {
+        std::memcpy(m.send.data(), input, row);
+      }
+      break;
+  }
+  return ffi::Error::Success();
+}
+
+// The leader's one MPI collective on the packed data (Execute: checked, timed,
+// recorded like any call, and described as this kind over L local devices).
+ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t device,
+                ffi::Span<const int64_t> dims) {
+  Call c = mine;
+  HostMemory memory;
+  memory.advise_huge_pages = false;
+  const size_t row = g.row_bytes / c.elem_bytes;  // elements
+  const size_t L = g.local, P = g.ranks;
+  auto described = [&](const char* name, bool reduces, bool rooted) {
+    return [&c, &g, dims, name, reduces, rooted] {
+      Call named = c;
+      named.name = name;
+      return Describe(named, named.dtype, dims, reduces, rooted) + ", over " +
+             std::to_string(g.local) + " local devices";
+    };
+  };
+  switch (g.kind) {
+    case kMeetAllreduce:
+      c.in = c.out = m.send.data();
+      c.in_count = c.out_count = row;
+      return Execute<AllreduceOp>(c, device, memory, described("allreduce", true, false));
+    case kMeetAllgather:
+      c.in = m.send.data(), c.out = m.receive.data();
+      c.in_count = L * row, c.out_count = P * L * row;
+      c.name = AllgatherOp::kName, c.mpi_op = MPI_OP_NULL;
+      return Execute<AllgatherOp>(c, device, memory, described("allgather", false, false));
+    case kMeetReduceScatter:
+      c.in = m.send.data(), c.out = m.receive.data();
+      c.in_count = P * L * row, c.out_count = L * row;
+      c.name = ReduceScatterOp::kName;
+      return Execute<ReduceScatterOp>(c, device, memory,
+                                      described("reduce_scatter", true, false));
+    case kMeetAlltoall:
+      c.in = m.send.data(), c.out = m.receive.data();
+      c.in_count = c.out_count = P * L * L * row;
+      c.name = AlltoallOp::kName, c.mpi_op = MPI_OP_NULL;
+      return Execute<AlltoallOp>(c, device, memory, described("alltoall", false, false));
+    case kMeetPermute: {
+      const PermuteSlots slots(g);
+      m.counts.assign(1, static_cast<int64_t>(row));
+      m.counts.insert(m.counts.end(), slots.send_counts.begin(), slots.send_counts.end());
+      m.counts.insert(m.counts.end(), slots.receive_counts.begin(), slots.receive_counts.end());
+      c.args = m.counts.data(), c.nargs = m.counts.size();
+      c.in = m.send.data(), c.out = m.receive.data();
+      c.in_count = m.send.size() / c.elem_bytes, c.out_count = m.receive.size() / c.elem_bytes;
+      c.name = AlltoallvOp::kName, c.mpi_op = MPI_OP_NULL;
+      return Execute<AlltoallvOp>(c, device, memory, described("permute", false, false));
+    }
+    case kMeetBcast:
+      c.in = c.out = m.send.data();
+      c.in_count = c.out_count = row;
+      c.root = static_cast<int>(g.root / g.local);
+      c.name = BcastOp::kName, c.mpi_op = MPI_OP_NULL;
+      return Execute<BcastOp>(c, device, memory, described("bcast", false, true));
+    case kMeetReduce:
+      c.in = m.send.data(), c.out = m.receive.data();
+      c.in_count = c.out_count = row;
+      c.root = static_cast<int>(g.root / g.local);
+      c.name = ReduceOp::kName;
+      return Execute<ReduceOp>(c, device, memory, described("reduce", true, true));
+  }
+  return ffi::Error::InvalidArgument("mpicoll: unknown local meeting kind");
+}
+
+// This thread's part after the MPI call.
+void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_bytes) {
+  const size_t row = g.row_bytes;
+  const int L = g.local;
+  switch (g.kind) {
+    case kMeetAllreduce:
+    case kMeetBcast:
+      std::memcpy(output, m.send.data(), out_bytes);
+      break;
+    case kMeetAllgather:
+      std::memcpy(output, m.receive.data(), out_bytes);
+      break;
+    case kMeetReduce:
+      if (g.root == static_cast<int64_t>(g.rank) * L + g.part) {
+        std::memcpy(output, m.receive.data(), out_bytes);
+      } else {
+        std::memset(output, 0, out_bytes);
+      }
+      break;
+    case kMeetReduceScatter:
+      std::memcpy(output, m.receive.data() + g.part * row, row);
+      break;
+    case kMeetAlltoall:
+      for (size_t from = 0; from < static_cast<size_t>(g.ranks) * L; ++from) {
+        std::memcpy(output + from * row, m.receive.data() + (from * L + g.part) * row, row);
+      }
+      break;
+    case kMeetPermute: {
+      const int64_t me = static_cast<int64_t>(g.rank) * L + g.part;
+      std::memset(output, 0, out_bytes);  // nobody sends to it: zeros, as lax.ppermute
+      for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
+        if (g.pairs[i + 1] != me) continue;
+        std::memcpy(output,
+                    m.receive.data() + PermuteSlots::ReceiveSlot(g, g.pairs[i], me) * row, row);
+      }
+      break;
+    }
+  }
+}
+
+// Sizes the shared buffers for a call (by the last arrival, when no thread of
+// the previous call still reads them).
+void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
+  const size_t row = g.row_bytes, L = g.local, P = g.ranks;
+  switch (g.kind) {
+    case kMeetAllreduce:
+    case kMeetBcast:
+      m.send.resize(row), m.receive.clear();
+      break;
+    case kMeetReduce:
+      m.send.resize(row), m.receive.resize(row);
+      break;
+    case kMeetAllgather:
+      m.send.resize(L * row), m.receive.resize(P * L * row);
+      break;
+    case kMeetReduceScatter:
+      m.send.resize(in_bytes), m.receive.resize(L * row);
+      break;
+    case kMeetAlltoall:
+      m.send.resize(P * L * L * row), m.receive.resize(P * L * L * row);
+      break;
+    case kMeetPermute: {
+      const PermuteSlots slots(g);
+      int64_t sends = 0, receives = 0;
+      for (int64_t n : slots.send_counts) sends += n;
+      for (int64_t n : slots.receive_counts) receives += n;
+      m.send.resize(sends * row), m.receive.resize(receives * row);
+      break;
+    }
+  }
+}
+
+ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                                ffi::Result<ffi::AnyBuffer> out, int32_t device,
+                                int64_t comm_slot, int64_t op, int64_t root, int64_t site,
+                                int64_t local, int64_t kind, ffi::Span<const int64_t> pairs) {
+  Call c{};
+  const bool reduces = kind == kMeetAllreduce || kind == kMeetReduceScatter ||
+                       kind == kMeetReduce;
+  if (ffi::Error err = reduces ? PrepareArray<AllreduceOp>(c, x, out, device, comm_slot, 0, op,
+                                                           site, ffi::Span<const int64_t>())
+                               : PrepareArray<AllgatherOp>(c, x, out, device, comm_slot, 0, op,
+                                                           site, ffi::Span<const int64_t>());
+      err.failure()) {
+    return err;
+  }
+  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetReduce) {
+    return ffi::Error::InvalidArgument("mpicoll: local meeting out of range");
+  }
+  c.name = KindName(kind);
+  const size_t in_bytes = c.in_count * c.elem_bytes, out_bytes = c.out_count * c.elem_bytes;
+  const int participants = c.size * static_cast<int>(local);
+  const bool rows_in = kind == kMeetReduceScatter || kind == kMeetAlltoall;
+  Meeting g{kind, c.size, static_cast<int>(local), c.rank, 0,
+            rows_in ? in_bytes / participants : in_bytes, pairs, root};
+  if (in_bytes == 0 && out_bytes == 0) return ffi::Error::Success();  // alike everywhere
+  progress_threads[device].Drain();  // this device's queued calls come first
+  LocalMeeting& m = local_meetings[comm_slot % kMaxComms];
+  std::unique_lock<std::mutex> lock(m.mutex);
+  const uint64_t generation = m.generation.load();
+  const int index = m.arrived.load();
+  if (index == 0) {
+    m.expected = static_cast<int>(local);
+    m.bytes = in_bytes;
+    m.kind = kind;
+    m.dtype = c.dtype;
+    m.op = op;
+    m.mismatch.clear();
+  } else if (m.expected != local || m.bytes != in_bytes || m.kind != kind ||
+             m.dtype != c.dtype || m.op != op) {
+    m.mismatch = std::string("mpicoll.") + KindName(kind) +
+                 ": the local devices called different collectives on one communicator at "
+                 "once (local device " + std::to_string(device) + ")";
+  }
+  m.inputs[index] = c.in;
+  m.devices[index] = device;
+  if (index + 1 == m.expected) {
+    // Every thread of the previous call has arrived here, so none still reads
+    // its error or buffers.  The arrivals go in device order, the leader first.
+    m.error.clear();
+    if (m.mismatch.empty()) SizeBuffers(m, g, in_bytes);
+    std::pair<int32_t, const char*> arrivals[kMaxLocalDevices];
+    for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i]};
+    std::sort(arrivals, arrivals + m.expected);
+    for (int i = 0; i < m.expected; ++i) std::tie(m.devices[i], m.inputs[i]) = arrivals[i];
+  }
+  m.arrived.store(index + 1);
+  m.changed.notify_all();
+  Call waiting = c;
+  waiting.name = WaitingName(kind);
+  {
+    InFlightScope watched(waiting, device, /*new_call=*/false);
+    AwaitLocal(m, lock, [&] {
+      return m.arrived.load() == m.expected || m.generation.load() != generation;
+    });
+  }
+  if (m.generation.load() == generation) {  // everyone is here, nobody has published yet
+    const int32_t leader = m.devices[0];
+    g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
+    std::string failed = m.mismatch;
+    if (failed.empty()) {
+      lock.unlock();
+      ffi::Error err = Pack(m, c, g, c.in);
+      lock.lock();
+      if (err.failure()) failed = std::string(err.message());
+    }
+    if (!failed.empty() && m.error.empty()) m.error = failed;
+    m.packed.store(m.packed.load() + 1);
+    m.changed.notify_all();
+    if (device == leader) {
+      {
+        InFlightScope watched(waiting, device, /*new_call=*/false);
+        AwaitLocal(m, lock, [&] { return m.packed.load() == m.expected; });
+      }
+      if (m.error.empty()) {
+        lock.unlock();
+        ffi::Error err = Lead(m, c, g, device, x.dimensions());
+        lock.lock();
+        if (err.failure()) m.error = std::string(err.message());
+      }
+      m.packed.store(0);
+      m.arrived.store(0);
+      m.generation.store(generation + 1);
+      m.changed.notify_all();
+    } else {
+      InFlightScope watched(waiting, device, /*new_call=*/false);
+      AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
+    }
+  } else {
+    g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
+  }
+  // Until this thread arrives at the next call, nobody writes the buffers or m.error.
+  const std::string error = m.error;
+  lock.unlock();
+  if (!error.empty()) return ffi::Error::Internal(error);
+  Unpack(m, g, c.out, out_bytes);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// A collective whose local devices meet in this process (CPU only; see above).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, CpuLocalMeetingEntry,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ctx<LocalDevice>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("local")
+                                  .Attr<int64_t>("kind")
+                                  .Attr<ffi::Span<const int64_t>>("pairs"));
+
+}  // namespace mpicoll
