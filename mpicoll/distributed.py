@@ -10,7 +10,9 @@ processes the size of COMM_WORLD.  It works under any launcher MPI runs under
 since it asks MPI, not the launcher's variables.  Afterwards JAX's
 multi-process API works (jax.devices() lists every process's devices,
 multihost_utils.process_allgather, global arrays), and mpicoll's collectives
-work beside it as before.
+work beside it as before.  multihost_utils' process_allgather,
+broadcast_one_to_all, sync_global_devices and assert_equal then run on MPI
+through mpicoll (_multihost.py), not on JAX's gloo.
 
 Shutdown: `jax.distributed.shutdown()` runs at exit, before MPI is finalized,
 after mpicoll's pending collectives; JAX bounds it by shutdown_timeout_seconds.
@@ -117,6 +119,8 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                process_id=world.Get_rank(), local_device_ids=local_device_ids,
                                **jax_arguments)
     _initialized = True
+    from . import _multihost  # noqa: PLC0415 -- imports mpicoll's collectives
+    _multihost.install()  # multihost_utils on MPI, not JAX's gloo
     # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
     # them: pending work completes, JAX shuts down, then MPI is finalized.
     atexit.register(_shutdown)

@@ -43,6 +43,16 @@ def test_a_global_mesh_program_runs_its_collectives_on_mpicoll(ranks, devices, t
         result.summary()
 
 
+@serial_only
+@pytest.mark.parametrize("ranks,devices", [(2, 2), (3, 1)])
+def test_multihost_utils_run_on_mpi_with_jaxs_results_and_errors(ranks, devices):
+    program = GLOBAL_MESH.parent / "multihost_utils.py"
+    result = run_mpiexec(ranks, [sys.executable, program, devices], timeout=180)
+    assert result.returncode == 0, result.summary()
+    assert f"ALL OK ({ranks} ranks x {devices} devices, multihost_utils)" in result.stdout, \
+        result.summary()
+
+
 def test_initialize_refuses_when_jax_has_started():
     jax.devices()  # this process's backends are up
     with pytest.raises(RuntimeError, match="JAX has already started its backends"):
