@@ -9,9 +9,12 @@ by the mpicoll collective that does the same thing across ranks:
   all_gather (any axis, tiled) allgather                 allgather, then all_gather over d
   psum_scatter                 reduce_scatter            reduce_scatter(axis_name=d)
   all_to_all                   alltoall                  alltoall(axis_name=d)
-  ppermute, pshuffle           sendrecv                  alltoall of one non-zero row
+  ppermute, pshuffle           sendrecv                  CPU: the devices meet, one
+                                                         alltoallv of the pairs; GPU:
+                                                         alltoall of one non-zero row
                                                          (in the mesh's order only)
-  pbroadcast                   bcast                     (refused)
+  pbroadcast                   bcast                     CPU: the devices meet, one
+                                                         bcast (GPU: refused)
   axis_index                   the rank                  rank * L + device (JAX's formula)
   axis_size, psum(1, .)        the number of ranks       (ranks x L)
 
@@ -24,21 +27,23 @@ transpose rules written to match JAX's for the same collective (the results,
 gradients and check_vma types of the same body run in one process over a mesh
 of size x L devices).
 
+On a global mesh, axes that span whole processes (every device of each) meet
+the local devices in mpicoll's handler: one MPI collective per process
+(_local_meeting.py).  psum, pmean, pmax, pmin and all_gather take
+axis_index_groups where each participant is one device of a process: the
+groups become communicators (_mesh_groups.py).
+
 What cannot be mapped raises at trace time, naming what to use instead; the
 lowering refusal in _typing.py stays behind it, so nothing over RANKS acts on
 one process silently.
 """
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from mpi4py import MPI
 
-from . import _blocks, _compat, _local_meeting, _ranks_devices, _typing, comm as comm_layer
+from . import _blocks, _compat, _local_meeting, _mesh_groups, _ranks_devices, _typing
 from ._dispatch import bind
 from .p2p import PROC_NULL, SENDRECV
 
@@ -47,9 +52,8 @@ RANKS = _typing.RANKS
 _REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 
 # How a collective's participants lie on ranks and devices:
-PER_DEVICE = "per device"  # one device per rank each: device k of every rank of comm
-RANKS_X_AXIS = "ranks x local axis"  # comm's ranks x a local mesh axis (mpicoll.mesh)
-WHOLE = "whole"  # every device of every rank of comm, with no local axis of their own
+PER_DEVICE, RANKS_X_AXIS, WHOLE = (_mesh_groups.PER_DEVICE, _mesh_groups.RANKS_X_AXIS,
+                                   _mesh_groups.WHOLE)
 
 
 class _Participants:
@@ -124,82 +128,25 @@ def _over_ranks(axes, caller):
             "(e.g. a vmap axis name) cannot be combined with it")
     world = _typing.world()
     if not others:
-        return _Participants(world, PER_DEVICE, world.size)
+        who = _Participants(world, PER_DEVICE, world.size)
+        who.split_from = ("RANKS", 0)  # what axis_index_groups split: COMM_WORLD, color 0
+        return who
     local = lax.axis_size(others[0])
     return _Participants(world, RANKS_X_AXIS, world.size * local, others[0], local,
                          devices_first=axes[0] != RANKS)
 
 
-# ---------------------------------------------------------------------------
-# Global meshes: after mpicoll.distributed.initialize() (or jax.distributed's
-# own), a mesh over every process's devices.  Its devices are listed
-# process-major (device i is local device i % L of process i // L, checked when
-# the program is lowered: _primitive.py), so which devices a collective over
-# some axes groups together follows from the mesh's shape alone.
-
-def _global_mesh():
-    """(axis names, sizes) of the mesh traced now if it spans every process's devices."""
-    if jax.process_count() == 1:
-        return None
-    names, sizes = _compat.current_mesh_shape()
-    if math.prod(sizes) != jax.device_count():
-        return None
-    return names, sizes
-
-
-@functools.lru_cache(maxsize=None)
-def _grouping(names, sizes, axes, processes, local):
-    """How a collective over `axes` of a process-major mesh groups the devices:
-    (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
-    or (None, why) when no layout fits."""
-    devices = np.arange(processes * local)
-    coords = np.stack(np.unravel_index(devices, sizes), axis=1)
-    rest = [j for j, name in enumerate(names) if name not in axes]
-    along = [names.index(axis) for axis in axes]
-    group_of = [tuple(row) for row in coords[:, rest]]
-    position = np.ravel_multi_index(tuple(coords[:, along].T), [sizes[j] for j in along])
-    process, device = devices // local, devices % local
-    members = {}
-    for i, group in enumerate(group_of):
-        members.setdefault(group, []).append(i)
-    ranks_of = {group: frozenset(process[m]) for group, m in members.items()}
-    # Each process's devices all in groups of the same processes: one communicator per process.
-    per_process = [{ranks_of[group_of[i]] for i in devices[process == q]} for q in range(processes)]
-    if any(len(sets) != 1 for sets in per_process):
-        return None, "its groups split some process's devices between different processes"
-    colors = {ranks: c for c, ranks in enumerate(sorted({next(iter(s)) for s in per_process},
-                                                        key=sorted))}
-    color = [colors[next(iter(per_process[q]))] for q in range(processes)]
-    one_device_each = all(len(set(device[m])) == 1 and len(m) == len(ranks_of[g])
-                          for g, m in members.items())
-    if one_device_each:
-        # Ordered as the axes order the processes: the same order for every device.
-        orders = {}
-        for m in members.values():
-            m = np.asarray(m)
-            order = tuple(process[m][np.argsort(position[m])])
-            orders.setdefault(color[order[0]], set()).add(order)
-        if all(len(found) == 1 for found in orders.values()):
-            return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
-    if all(len(m) == len(ranks_of[g]) * local for g, m in members.items()):
-        # Each process's place in the axes' order of its group's participants, rank-major
-        # (its communicator ranks the processes by index, each with its devices in order).
-        orders = {g: tuple(int(p) for p in position[sorted(m)]) for g, m in members.items()}
-        return WHOLE, [(color[q], q, orders[group_of[q * local]]) for q in range(processes)]
-    return None, "its groups take some but not all of a process's devices"
-
-
 def _over_processes(axes, caller):
     """The participants of a collective over axes of a global mesh, or None where
     none of them spans processes (XLA's own collective then runs it)."""
-    found = _global_mesh()
+    found = _mesh_groups.global_mesh()
     if found is None:
         return None
     names, sizes = found
     if any(axis not in names for axis in axes) or len(axes) != len(set(axes)):
         return None  # JAX's own error
     processes, local = jax.process_count(), jax.local_device_count()
-    layout, groups = _grouping(tuple(names), tuple(sizes), tuple(axes), processes, local)
+    layout, groups = _mesh_groups.grouping(tuple(names), tuple(sizes), tuple(axes), processes, local)
     if layout is None:
         raise NotImplementedError(
             f"jax.lax.{caller} over {tuple(axes)!r} of the mesh {dict(zip(names, sizes))}: "
@@ -208,20 +155,15 @@ def _over_processes(axes, caller):
             "jax.local_device_count()), ('proc', 'dev')), and collect over ('proc',) or "
             "('proc', 'dev')")
     color, key, *order = groups[jax.process_index()]
-    comm = _mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
+    comm = _mesh_groups.mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
     if comm.size == 1 and layout == PER_DEVICE:
         return None  # the axes stay inside this process: XLA's own collective
     count = comm.size * (local if layout == WHOLE else 1)
-    return _Participants(comm, layout, count, local=local if layout == WHOLE else 1,
-                         order=order[0] if order else None)
+    who = _Participants(comm, layout, count, local=local if layout == WHOLE else 1,
+                        order=order[0] if order else None)
+    who.split_from = ((tuple(names), tuple(sizes), tuple(axes)), color)
+    return who
 
-
-@functools.lru_cache(maxsize=None)
-def _mesh_communicator(axes, names, sizes, color, key):
-    """The communicator of the processes this process meets over `axes` (made once
-    per mesh shape and axes, collectively: every process traces the same program)."""
-    del names, sizes  # the cache key
-    return comm_layer.for_mesh_axes(MPI.COMM_WORLD.Split(color, key), axes, "jax.lax")
 
 
 def _vma():
@@ -362,7 +304,7 @@ def _ppermute(x, who, *, perm):
     pairs = _checked_permutation(perm, who.count)
     if who.layout == WHOLE:
         # As JAX numbers ppermute's participants: by the mesh's order of the axes.
-        names, _ = _global_mesh()
+        names, _ = _mesh_groups.global_mesh()
         in_mesh_order = tuple(sorted(who.axes, key=names.index))
         if in_mesh_order != who.axes:
             who = _over_processes(in_mesh_order, "ppermute")
@@ -409,6 +351,43 @@ def _pbroadcast(x, who, *, source):
     return who.meet(x, "bcast", root=who.rank_major_index(source))
 
 
+# ---------------------------------------------------------------------------
+# axis_index_groups: the collective within each group of participants, on a
+# communicator per group split from COMM_WORLD (made once per mesh, axes and
+# groups, collectively: every process traces the same program), its ranks in
+# the group's order (all_gather's rows follow it, as XLA's replica groups do).
+
+_GROUPED = ("psum", "pmax", "pmin", "all_gather")
+
+
+def _in_groups(name, who, groups):
+    """The participants of this participant's group."""
+    if name not in _GROUPED:
+        raise NotImplementedError(f"jax.lax.{name} over {who.axes!r} with axis_index_groups: "
+                                  "mpicoll runs psum, pmean, pmax, pmin and all_gather in groups")
+    if who.layout != PER_DEVICE:
+        raise NotImplementedError(
+            f"jax.lax.{name} over {who.axes!r} with axis_index_groups: mpicoll runs groups of "
+            "participants with one device per process (collect over the process axis or "
+            "mpicoll.RANKS alone)")
+    groups = tuple(tuple(int(i) for i in group) for group in groups)
+    members = sorted(i for group in groups for i in group)
+    if members != list(range(who.count)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(
+            f"jax.lax.{name}: axis_index_groups={[list(g) for g in groups]!r} must split the "
+            f"{who.count} participants of {who.axes!r} into groups of one size, each index "
+            "once")
+    me = who.comm.rank  # one device per process: the communicator ranks are the indices
+    number = next(g for g, group in enumerate(groups) if me in group)
+    source, color = who.split_from
+    comm = _mesh_groups.group_communicator(source, groups, color * len(groups) + number,
+                               groups[number].index(me))
+    grouped = _Participants(comm, PER_DEVICE, len(groups[number]))
+    grouped.axes = who.axes
+    return grouped
+
+
+
 _MAPPED = {*_REDUCTIONS, "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",
            "ppermute", "pbroadcast"}
 _UNMAPPED = (
@@ -448,13 +427,11 @@ def _route(name, args, params):
     who = _participants(name, axes)
     if who is None:
         return NotImplemented
-    if params.get("axis_index_groups") is not None:
-        raise NotImplementedError(
-            f"jax.lax.{name} over {axes!r} with axis_index_groups: for groups of ranks, "
-            "call mpicoll's collective with comm=MPI.COMM_WORLD.Split(color)")
     if name not in _MAPPED:
         raise NotImplementedError(_UNMAPPED.format(name=name, axes=axes))
     who.axes = axes
+    if params.get("axis_index_groups") is not None:
+        who = _in_groups(name, who, params["axis_index_groups"])
     x, = args
     if name in _REDUCTIONS:
         return _allreduce(x, _REDUCTIONS[name], who)

@@ -133,10 +133,15 @@ def test_an_axis_that_is_not_a_mesh_axis_is_refused():
     assert "psum can only accept axis_name" in message
 
 
-def test_groups_and_unmapped_collectives_are_refused_naming_what_to_use():
-    assert "COMM_WORLD.Split" in _refusal(
-        lambda x: lax.psum(x, R, axis_index_groups=[list(range(SIZE))]), jnp.ones(2),
+def test_groups_that_do_not_split_the_ranks_and_unmapped_collectives_are_refused():
+    # (Groups that do: tests/programs/lax_over_ranks.py, against JAX's own.)  JAX's
+    # own check, the same on every rank.
+    assert "cover all indices exactly once" in _refusal(
+        lambda x: lax.psum(x, R, axis_index_groups=[list(range(SIZE)) + [0]]), jnp.ones(2),
         check_vma=False)
+    assert "psum, pmean, pmax, pmin and all_gather in groups" in _refusal(
+        lambda x: lax.psum_scatter(x, R, axis_index_groups=[list(range(SIZE))], tiled=True),
+        jnp.ones(SIZE), check_vma=False)
     ragged = lambda x: lax.ragged_all_to_all(  # noqa: E731
         x, x, *[jnp.zeros(SIZE, jnp.int32)] * 4, axis_name=R)
     assert "has no MPI form in mpicoll" in _refusal(ragged, jnp.ones(2), check_vma=False)

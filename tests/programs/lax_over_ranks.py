@@ -145,7 +145,41 @@ def pbroadcast_against_numpy():
               np.concatenate(grad[MINE]))
 
 
+def groups_against_jax():
+    # axis_index_groups over the ranks: JAX's own over the one-process mesh's "r" is
+    # the reference (values and vjp; check_vma off, as JAX runs psum in groups only so).
+    # Rows of all_gather follow each group's order.
+    cases = [[list(range(SIZE))[::-1]], [[r] for r in range(SIZE)]]
+    if SIZE % 2 == 0:
+        cases.append([[r, SIZE - 1 - r] for r in range(SIZE // 2)])
+    everyone = data((2, 3), 15)
+    for groups in cases:
+        for name, body in [
+                ("psum", lambda x, a: lax.psum(x, a, axis_index_groups=groups)),
+                ("pmean", lambda x, a: lax.pmean(x, a, axis_index_groups=groups)),
+                ("pmax", lambda x, a: lax.pmax(x, a, axis_index_groups=groups)),
+                ("pmin", lambda x, a: lax.pmin(x, a, axis_index_groups=groups)),
+                ("all_gather", lambda x, a: lax.all_gather(x, a, axis_index_groups=groups)
+                 .reshape(-1, 3))]:
+            what = f"{name} in groups {groups}"
+            ours = jax.jit(jax.shard_map(lambda x: body(x, R), mesh=MESH, in_specs=P((R, "dev")),
+                                         out_specs=P((R, "dev")), check_vma=False))
+            theirs = jax.jit(jax.shard_map(lambda x: body(x, "r"), mesh=REFERENCE_MESH,
+                                           in_specs=P(("r", "dev")), out_specs=P(("r", "dev")),
+                                           check_vma=False))
+            if name in ("pmax", "pmin"):  # JAX has no vjp of its own to compare with
+                check(what, ours(rows(everyone[MINE])), mine(theirs(rows(everyone))))
+                continue
+            expected, reference_pullback = jax.vjp(theirs, rows(everyone))
+            got, pullback = jax.vjp(ours, rows(everyone[MINE]))
+            check(what, got, mine(expected))
+            cotangents = data((expected.shape[0] // N, *expected.shape[1:]), 16)
+            check(what + ": vjp", pullback(rows(cotangents[MINE]))[0],
+                  mine(reference_pullback(rows(cotangents))[0]))
+
+
 attempt("invariant reductions", invariant_results)
+attempt("axis_index_groups", groups_against_jax)
 if LOCAL > 1:
     attempt("pbroadcast over ranks and devices", pbroadcast_against_numpy)
 report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")

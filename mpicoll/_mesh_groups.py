@@ -1,0 +1,100 @@
+"""Where a collective's participants lie on processes, and their communicators.
+
+A global mesh (after mpicoll.distributed.initialize() or jax.distributed's own)
+spans every process's devices, listed process-major; a collective over some of
+its axes groups the devices, and grouping() says how: one device per process
+(PER_DEVICE: the direct MPI collective on a communicator per set of processes),
+whole processes (WHOLE: every device of each, which meet in mpicoll's handler),
+or neither (refused).  The communicators are split from COMM_WORLD once per mesh
+shape and axes, and per axis_index_groups.
+"""
+
+import functools
+import math
+
+import jax
+import numpy as np
+from mpi4py import MPI
+
+from . import _compat, comm as comm_layer
+
+PER_DEVICE = "per device"  # one device per rank each: device k of every rank of comm
+RANKS_X_AXIS = "ranks x local axis"  # comm's ranks x a local mesh axis (mpicoll.mesh)
+WHOLE = "whole"  # every device of every rank of comm, with no local axis of their own
+
+# ---------------------------------------------------------------------------
+# Global meshes: after mpicoll.distributed.initialize() (or jax.distributed's
+# own), a mesh over every process's devices.  Its devices are listed
+# process-major (device i is local device i % L of process i // L, checked when
+# the program is lowered: _primitive.py), so which devices a collective over
+# some axes groups together follows from the mesh's shape alone.
+
+def global_mesh():
+    """(axis names, sizes) of the mesh traced now if it spans every process's devices."""
+    if jax.process_count() == 1:
+        return None
+    names, sizes = _compat.current_mesh_shape()
+    if math.prod(sizes) != jax.device_count():
+        return None
+    return names, sizes
+
+
+@functools.lru_cache(maxsize=None)
+def grouping(names, sizes, axes, processes, local):
+    """How a collective over `axes` of a process-major mesh groups the devices:
+    (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
+    or (None, why) when no layout fits."""
+    devices = np.arange(processes * local)
+    coords = np.stack(np.unravel_index(devices, sizes), axis=1)
+    rest = [j for j, name in enumerate(names) if name not in axes]
+    along = [names.index(axis) for axis in axes]
+    group_of = [tuple(row) for row in coords[:, rest]]
+    position = np.ravel_multi_index(tuple(coords[:, along].T), [sizes[j] for j in along])
+    process, device = devices // local, devices % local
+    members = {}
+    for i, group in enumerate(group_of):
+        members.setdefault(group, []).append(i)
+    ranks_of = {group: frozenset(process[m]) for group, m in members.items()}
+    # Each process's devices all in groups of the same processes: one communicator per process.
+    per_process = [{ranks_of[group_of[i]] for i in devices[process == q]} for q in range(processes)]
+    if any(len(sets) != 1 for sets in per_process):
+        return None, "its groups split some process's devices between different processes"
+    colors = {ranks: c for c, ranks in enumerate(sorted({next(iter(s)) for s in per_process},
+                                                        key=sorted))}
+    color = [colors[next(iter(per_process[q]))] for q in range(processes)]
+    one_device_each = all(len(set(device[m])) == 1 and len(m) == len(ranks_of[g])
+                          for g, m in members.items())
+    if one_device_each:
+        # Ordered as the axes order the processes: the same order for every device.
+        orders = {}
+        for m in members.values():
+            m = np.asarray(m)
+            order = tuple(process[m][np.argsort(position[m])])
+            orders.setdefault(color[order[0]], set()).add(order)
+        if all(len(found) == 1 for found in orders.values()):
+            return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
+    if all(len(m) == len(ranks_of[g]) * local for g, m in members.items()):
+        # Each process's place in the axes' order of its group's participants, rank-major
+        # (its communicator ranks the processes by index, each with its devices in order).
+        orders = {g: tuple(int(p) for p in position[sorted(m)]) for g, m in members.items()}
+        return WHOLE, [(color[q], q, orders[group_of[q * local]]) for q in range(processes)]
+    return None, "its groups take some but not all of a process's devices"
+
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_communicator(axes, names, sizes, color, key):
+    """The communicator of the processes this process meets over `axes` (made once
+    per mesh shape and axes, collectively: every process traces the same program)."""
+    del names, sizes  # the cache key
+    return comm_layer.for_mesh_axes(MPI.COMM_WORLD.Split(color, key), axes, "jax.lax")
+
+
+@functools.lru_cache(maxsize=None)
+def group_communicator(source, groups, color, key):
+    """The communicator of one group of axis_index_groups: COMM_WORLD split by
+    color, ranked by the key (the place in the group).  Made once per mesh, axes
+    and groups, collectively (every process traces the same program)."""
+    del source, groups  # the cache key
+    return comm_layer.resolve(MPI.COMM_WORLD.Split(color, key), "jax.lax")
+
