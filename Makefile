@@ -358,6 +358,7 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	for local in 1 2; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
 	    || exit 1; done
+	cd benchmarks && $(VPY) collectives_model.py
 
 # --- Documentation ---------------------------------------------------------------
 # The site under docs/ (docs/conf.py says why Sphinx, MyST and sphinx-book-theme),
