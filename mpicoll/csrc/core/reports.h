@@ -176,7 +176,11 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
         const bool one_checks = (on->phase == kPhaseChecking) != (w.phase == kPhaseChecking) &&
                                 on->phase != kPhaseDone;
         if (!same_call || one_checks) {
-          v.found = v.certain = true;
+          // One rank past a check the other is still in (it received every record
+          // first; MPI_Allgather ends at different times on different ranks) looks
+          // like a check mode that differs: that verdict must hold at two probes.
+          v.found = true;
+          v.certain = !same_call;
           v.why = "ranks " + std::to_string(std::min(me, m)) + " and " +
                   std::to_string(std::max(me, m)) + " are at the same collective on " + w.comm +
                   " (sequence " + std::to_string(w.sequence) + ") with " +
@@ -185,6 +189,7 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
                              : "different calls");
           v.stuck = {me, m};
           v.comms = {w.comm_hash};
+          v.key = v.why;
           return v;
         }
         continue;  // arrived
