@@ -62,7 +62,10 @@ class _Participants:
     comm: the ranks' communicator (a CommInfo); count: the participants;
     layout: one of the three above.  For RANKS_X_AXIS: local_axis and its size
     local, and devices_first where the axes name the local axis first
-    (participant k * ranks + r for device k of rank r, not r * local + k).
+    (participant k * ranks + r for device k of rank r, not r * local + k).  For
+    WHOLE: local, every device of the process.  order: where it is not rank-major,
+    the axes' index of each rank-major row (device k of rank r is row r * L + k,
+    as mpicoll's handlers number them).
     """
 
     def __init__(self, comm, layout, count, local_axis=None, local=1, devices_first=False,
