@@ -8,7 +8,9 @@ devices, --mib MiB of float32 per process (split over its L devices), and inside
 jax.jit(jax.shard_map(...)) a fori_loop of --inner dependent calls of each
 jax.lax collective over ("hosts", "local"): all_gather (tiled, its first block
 kept), psum_scatter (tiled, its block repeated), all_to_all, ppermute (a ring
-over the P*L participants), pbroadcast and psum.  The same bytes per process
+over the P*L participants), pbroadcast and psum; and the cost of one call (200
+dispatches of a 16 B psum over "hosts" alone, and of a body with no collective).
+The same bytes per process
 whatever L, so L = 1 (the direct MPI collective) is the floor an L > 1 run is
 compared with: run both and divide (`make bench` does, and prints the ratios).
 Medians over repeats, each started together (a barrier), the slowest rank,
@@ -112,12 +114,31 @@ def main():
             jax.block_until_ready(loop(x))
             times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
         results[name] = float(np.median(times)) / ARGS.inner * 1e6
+    # Per call (issue 34's item 3): 200 dispatches of a jitted shard_map, 16 B per device:
+    # a psum over the process axis alone (one device per process in each group), and
+    # a body with no collective (JAX's own cost of a call at L devices).
+    small = jax.make_array_from_process_local_data(NamedSharding(mesh, spec),
+                                                   np.ones(4 * L, np.float32))
+    for name, body in (("psum over hosts, per call", lambda v: lax.psum(v, "hosts")),
+                       ("empty body, per call", lambda v: v * 2)):
+        call = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                     check_vma=False))
+        jax.block_until_ready(call(small))
+        times = []
+        for _ in range(ARGS.repeats):
+            WORLD.Barrier()
+            start = time.perf_counter()
+            for _ in range(200):
+                out = call(small)
+            jax.block_until_ready(out)
+            times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        results[name] = float(np.median(times)) / 200 * 1e6
     if RANK == 0:
         header = (f"{PROCESSES} processes x {L} devices, {ARGS.mib:g} MiB per process "
                   f"({PER_DEVICE * 4} B per device), median of {ARGS.repeats}, us per call")
         print(header)
         for name, micros in results.items():
-            print(f"  {name:13s} {micros:10.1f}")
+            print(f"  {name:26s} {micros:10.1f}")
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"global_mesh_collectives_{L}dev.json").write_text(
             json.dumps({"header": header, "us_per_call": results}, indent=1))
