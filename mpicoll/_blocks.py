@@ -161,31 +161,3 @@ EXSCAN = define(Collective(
     reduces=True,
     in_place=True,
 ))
-
-
-
-# ---------------------------------------------------------------------------
-# Derivatives of the non-linear reductions (prod, min, max).
-
-def _reduction_tangent(spec, x, y, t, params):
-    """Tangent of reduce/allreduce(x, op) for op in prod/min/max; linear in t."""
-    op = _OP_NAMES[params["op"]]
-    if spec not in (REDUCE, ALLREDUCE):
-        raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative "
-                                  "(only op='sum' is differentiable)")
-    summed = lambda v: _run(spec.name, v, params, op=_SUM)  # noqa: E731
-    if op in ("min", "max"):
-        # Like jnp.max: the selected elements' tangents, ties sharing equally.
-        selected = y if spec is ALLREDUCE else _run("allreduce", x, params)
-        chosen = (x == selected).astype(t.dtype)
-        count = summed(chosen)
-        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
-    if op == "prod":
-        # d(prod_r x_r) = sum_r (product of the other ranks' x) * t_r: exact with zeros.
-        everyone = _run("allgather", x, params, op=-1)
-        own = (jnp.arange(params["size"]) == _rank(params)).reshape((-1,) + (1,) * x.ndim)
-        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
-        return summed(others * t)
-    raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative")
-
-

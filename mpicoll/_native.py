@@ -86,7 +86,7 @@ if THREAD_LEVEL < MPI.THREAD_SERIALIZED:
 # MPI skips the locking MULTIPLE costs every call, so mpicoll makes sure no two
 # MPI calls overlap.  Its own calls take one lock in the extension, and each
 # dispatch of a program with collectives completes before it returns
-# (collectives.py), so no mpicoll MPI call is in flight while Python runs and
+# (_device_order.py), so no mpicoll MPI call is in flight while Python runs and
 # the user's own mpi4py calls cannot overlap one.  Several local devices would
 # call MPI from several threads at once: comm.py refuses them at first use.
 SERIALIZED = THREAD_LEVEL < MPI.THREAD_MULTIPLE

@@ -207,4 +207,7 @@ def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames(ca
         assert {int(rank) for _, rank, _, _ in too} == {0, 1, 2} - {printing}, result.summary()
     traceback = result.output.split("Traceback (most recent call last)")[1]
     traceback = traceback.split(error)[0]
-    assert "stall.py" in traceback and "/mpicoll/" not in traceback, traceback
+    # mpicoll's own frames are its package folder's (the checkout's folder may be named
+    # mpicoll too: docs/install.md clones into one).
+    package = str(Path(__file__).resolve().parent.parent / "mpicoll") + "/"
+    assert "stall.py" in traceback and package not in traceback, traceback
