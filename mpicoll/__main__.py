@@ -402,16 +402,25 @@ def run(argv):
     return 0
 
 
+def _once_per_job(text, file=None):
+    """Print a message every rank would print alike (usage, a wrong command) on rank 0
+    only: under mpiexec the job shows it once.  (Importing mpicoll has set MPI up.)"""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(text, file=file or sys.stdout, flush=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        _once_per_job(USAGE)
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None and (argv[0] == "-m" or argv[0].endswith(".py")):
         return run(argv)
     if command is None:
-        print(f"python -m mpicoll: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
+        _once_per_job(f"python -m mpicoll: unknown command {argv[0]!r}\n{USAGE}", sys.stderr)
         return 2
     return command(argv[1:])
 
