@@ -17,6 +17,10 @@
 #   MPICOLL_LAUNCH_TIMEOUT  seconds; the job is terminated (then killed) after that,
 #                           and the exit status is 124, so a deadlock cannot hang CI
 #   MPICOLL_LAUNCH_VERBOSE  1: print the final command line to stderr before running it
+#   MPICOLL_LAUNCH_TAG_OUTPUT  1: every line of output says which rank wrote it
+#                           (MPICH: "[1] text", -prepend-rank; Open MPI:
+#                           "[1,1]<stdout>:text", --tag-output), so that two ranks'
+#                           lines cannot be read as one
 #
 # Inside a SLURM allocation (sbatch/salloc) it works the same way: MPICH's mpiexec
 # (hydra) and Open MPI's mpirun both see SLURM_JOB_ID, take the nodes and slots
@@ -96,6 +100,7 @@ case $flavor in
         fi
         # ... and refuses more ranks than cores ("not enough slots") without this.
         [ "$oversubscribed" = 1 ] && flags+=(--oversubscribe)
+        [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(--tag-output)
         ;;
     mpich)
         # MPICH busy-polls while a rank waits; with more ranks than cores the idle
@@ -105,6 +110,7 @@ case $flavor in
             export MPIR_CVAR_ENABLE_HEAVY_YIELD=${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}
             added_env+=("MPIR_CVAR_ENABLE_HEAVY_YIELD=$MPIR_CVAR_ENABLE_HEAVY_YIELD")
         fi
+        [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(-prepend-rank)
         ;;
 esac
 

@@ -287,6 +287,16 @@ def test_mpirun_sh_mpich_flags(fake_mpiexec):
 
 
 @serial_only
+def test_mpirun_sh_tags_output_on_request(fake_mpiexec):
+    mpich = _fake_run(fake_mpiexec, MPICH, "-n", "1", "python", MPICOLL_LAUNCH_TAG_OUTPUT="1")
+    assert "args: -prepend-rank -n 1 python" in mpich.stdout, mpich.stdout
+    ompi = _fake_run(fake_mpiexec, OPEN_MPI, "-n", "1", "python", MPICOLL_LAUNCH_TAG_OUTPUT="1")
+    assert "args: --tag-output -n 1 python" in ompi.stdout, ompi.stdout
+    plain = _fake_run(fake_mpiexec, MPICH, "-n", "1", "python")
+    assert "args: -n 1 python" in plain.stdout, plain.stdout
+
+
+@serial_only
 def test_mpirun_sh_timeout(fake_mpiexec):
     start = time.monotonic()
     result = _fake_run(fake_mpiexec, MPICH, "-n", "1", "python", MPICOLL_LAUNCH_TIMEOUT="1",
