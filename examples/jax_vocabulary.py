@@ -64,7 +64,7 @@ def loss(w, x, y):
 @jax.shard_map(mesh=MESH, in_specs=(P(), SPEC, SPEC), out_specs=(P(), P()))
 def train_step(w, x, y):
     # The global loss is the mean over participants.  w is replicated (P()), so
-    # its gradient is summed over AXIS by JAX itself: pvary's transpose is a
+    # its gradient is summed over AXIS by JAX itself: pcast(to='varying')'s transpose is a
     # psum, the data-parallel all-reduce (over MPI, where AXIS spans ranks).
     value, grad = jax.value_and_grad(lambda w: lax.pmean(loss(w, x, y), AXIS))(w)
     return w - 0.1 * grad, value
