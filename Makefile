@@ -378,8 +378,11 @@ $(STAMP_DOCS): $(STAMP_DEPS) docs/requirements.txt
 	@touch $@
 
 .PHONY: docs
+# JAX_PLATFORMS=cpu: autodoc's import of mpicoll starts JAX, which would otherwise
+# look for a TPU and print why it found none.
 docs: install $(STAMP_DOCS)
-	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DOCS_TIMEOUT) $(VPY) -m sphinx -W --keep-going -b html \
+	$(VENV_PATH) $(MPIEXEC_ENV) JAX_PLATFORMS=cpu $(TIMEOUT) $(DOCS_TIMEOUT) $(VPY) -m sphinx \
+	    -W --keep-going -b html \
 	    -d docs/_build/doctrees $(SPHINXOPTS) docs $(DOCS_OUT)
 	@echo "docs: $(DOCS_OUT)/index.html"
 
