@@ -179,25 +179,12 @@ def _zeros_like(x):
 
 
 def _allreduce(x, op, who):
-    if who.layout == PER_DEVICE and _each_device_meets(x, who):
-        return _ranks_devices.combined_allreduce(x, op, who.comm, None, each=True)
     if who.layout == PER_DEVICE:
         # psum transposes to psum under pmap-style typing, to pvary with check_vma.
         return bind(_blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
     if who.layout == RANKS_X_AXIS:
         return _ranks_devices.allreduce(x, op, who.comm, who.local_axis)
     return _ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True)
-
-
-def _each_device_meets(x, who):
-    """Whether the L local devices of a global mesh, each in its own group of one
-    device per process (a process axis), allreduce in one MPI call: their blocks
-    side by side, instead of L MPI calls from L device threads at once (which
-    contend for MPI and, on few cores, for the cores).  Up to the size the
-    ranks x devices combine takes (_ranks_devices.local_combine_bytes), on CPU."""
-    local = jax.local_device_count()
-    return (getattr(who, "split_from", ("RANKS",))[0] != "RANKS" and local > 1
-            and _ranks_devices.combines_in_handler(x, local))
 
 
 # WHOLE: the L devices of a process have no axis of their own to run XLA's

@@ -10,8 +10,6 @@ buffer and runs the MPI collective, every device takes its part.
     permute         a block              the block sent to it   MPI_Alltoallv of the pairs
     bcast           a block              the root's block       MPI_Bcast
     reduce          a block, sum         the sum at the root    MPI_Reduce (bcast's transpose)
-    allreduce_each  a block              its own allreduce      MPI_Allreduce of the L blocks
-                                         across ranks           (_ranks_devices.combined_allreduce)
 
 Rows are numbered rank-major, row r * L + k for local device k of rank r of
 the communicator; callers reorder rows to their axes' order around the call
@@ -35,7 +33,7 @@ from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 
 # The handler's kind codes (csrc/local_meeting.cc, MeetingKind).
 KINDS = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "alltoall": 3, "permute": 4,
-         "bcast": 5, "reduce": 6, "allreduce_each": 7}
+         "bcast": 5, "reduce": 6}
 _ROWS_IN = ("reduce_scatter", "alltoall")  # x holds one row per participant
 
 

@@ -83,7 +83,7 @@ def _reduction_arguments(x, op, comm, axis_name, caller):
 
 def allreduce(x, op, comm, axis_name):
     x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
-    if combines_in_handler(x, local):
+    if _combines_in_handler(x, local):
         return combined_allreduce(x, name, info, axis_name)
     return _composed_allreduce(x, name, info, axis_name)
 
@@ -149,27 +149,23 @@ def local_combine_bytes(local):
     return _scaled_to(local, _settings.current().local_combine_bytes)
 
 
-def combines_in_handler(x, local):
+def _combines_in_handler(x, local):
     return (local > 1 and x.size * x.dtype.itemsize <= local_combine_bytes(local)
             and not overlap.active() and jax.default_backend() == "cpu")
 
 
-def combined_allreduce(x, name, info, axis_name, whole=False, each=False):
+def combined_allreduce(x, name, info, axis_name, whole=False):
     """whole: the combine is the entire collective over axis_name (its every
     participant is a device of a rank of info), not a step of the composition
     over a local axis: a global mesh's axis that spans processes and their
-    devices, where XLA's own collectives would be JAX's cross-process ones.
-    each: every local device allreduces its own x across the ranks of info (one
-    device per process in each group: a global mesh's process axis), the L
-    devices' blocks in one MPI call (axis_name None)."""
+    devices, where XLA's own collectives would be JAX's cross-process ones."""
     params = dict(comm=info.slot, size=info.size, root=0,
                   op=_types.op_code(name, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
                   checked_ad=_typing.autodiff_checked())
     x, params = _typing.typed_input(x, info), _typing.typed_params(params)
-    local = jax.local_device_count() if whole or each else lax.axis_size(axis_name)
-    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole,
-                                     each=each, **params)
+    local = jax.local_device_count() if whole else lax.axis_size(axis_name)
+    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole, **params)
 
 
 def _combined_abstract_eval(x, *, axis_name, local, op, **params):
@@ -180,11 +176,11 @@ def _combined_abstract_eval(x, *, axis_name, local, op, **params):
     return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape, params), {mpi_effect}
 
 
-def _combined_lowering(ctx, x, *, comm, op, local, each, **params):
+def _combined_lowering(ctx, x, *, comm, op, local, **params):
     # In place: a dead or donated x (a loop carry) is the output buffer.
-    kind = _local_meeting.KINDS["allreduce_each" if each else "allreduce"]
     return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, aliases={1: 1}, comm=comm,
-                            op=op, root=0, local=local, kind=kind, pairs=np.zeros(0, np.int64))
+                            op=op, root=0, local=local, kind=_local_meeting.KINDS["allreduce"],
+                            pairs=np.zeros(0, np.int64))
 
 
 def _combined_elsewhere(ctx, x, **params):
@@ -211,11 +207,6 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
     y = combined_allreduce_p.bind(x, axis_name=axis_name, comm=comm, op=op, **params)
     if type(t) is _compat.Zero:
         return y, _compat.zero_tangent(jax.typeof(y))
-    if params["each"]:  # the per-device allreduce's derivative (pmax's reaches the winner)
-        per_device = functools.partial(bind, _blocks.ALLREDUCE, op=_types.OP_NAMES[op],
-                                       comm=comm_layer.info_for_slot(comm),
-                                       transpose_sums=params["transpose_sums"])
-        return y, (per_device(t) if op == _SUM else jax.jvp(per_device, (x,), (t,))[1])
     if params["whole"]:
         if op != _SUM:
             raise NotImplementedError(
@@ -232,7 +223,7 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
 def _combined_transpose(ct, x, *, axis_name, comm, op, transpose_sums, **params):
     """The sum's transpose where the combine is the whole collective (the
     composition's pieces bring their own): psum's under each typing."""
-    assert (params["whole"] or params["each"]) and op == _SUM, "only whole sums are transposed"
+    assert params["whole"] and op == _SUM, "only the whole sum is transposed"
     if type(ct) is _compat.Zero:
         return [_compat.zero_tangent(x.aval)]
     if transpose_sums:  # pmap-style: psum transposes to psum

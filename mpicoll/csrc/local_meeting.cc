@@ -51,9 +51,6 @@ namespace {
 //                   device)
 //   reduce          1/L of the reduction (as above)    MPI_Reduce to the    the root: the sum;
 //                                                      root's rank          others zeros
-//   allreduce each  its row at place k                 MPI_Allreduce of     its place k: its own
-//   (per device)                                       the L rows           allreduce across ranks
-//                                                                           (device k of each)
 //
 // Bytes each rank sends are then those of the direct collective over P*L
 // participants, whatever L: no device's data crosses the network twice, and
@@ -81,13 +78,12 @@ enum MeetingKind : int64_t {
   kMeetPermute = 4,
   kMeetBcast = 5,
   kMeetReduce = 6,  // bcast's transpose: the sum at the root, zeros elsewhere
-  kMeetAllreduceEach = 7,  // every device's own allreduce across ranks, in one call
 };
 
 const char* KindName(int64_t kind) {
   static const char* const names[] = {"allreduce", "allgather", "reduce_scatter", "alltoall",
-                                      "permute", "bcast", "reduce", "allreduce"};
-  return kind >= 0 && kind <= kMeetAllreduceEach ? names[kind] : "?";
+                                      "permute", "bcast", "reduce"};
+  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
 }
 
 // What the watchdog says a device waiting for the others of its process is in.
@@ -96,10 +92,9 @@ const char* WaitingName(int64_t kind) {
   static const char* const names[] = {
       MPICOLL_WAITING("allreduce"), MPICOLL_WAITING("allgather"),
       MPICOLL_WAITING("reduce_scatter"), MPICOLL_WAITING("alltoall"),
-      MPICOLL_WAITING("permute"), MPICOLL_WAITING("bcast"), MPICOLL_WAITING("reduce"),
-      MPICOLL_WAITING("allreduce")};
+      MPICOLL_WAITING("permute"), MPICOLL_WAITING("bcast"), MPICOLL_WAITING("reduce")};
 #undef MPICOLL_WAITING
-  return kind >= 0 && kind <= kMeetAllreduceEach ? names[kind] : "?";
+  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
 }
 
 struct LocalMeeting {
@@ -212,7 +207,6 @@ ffi::Error Pack(LocalMeeting& m, const Call& c, const Meeting& g, const char* in
     case kMeetReduce:
       return ReduceLocalSlice(m, c, g.part, m.send.data());
     case kMeetAllgather:
-    case kMeetAllreduceEach:
       std::memcpy(m.send.data() + g.part * row, input, row);
       break;
     case kMeetAlltoall:
@@ -296,10 +290,6 @@ ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t dev
       c.root = static_cast<int>(g.root / g.local);
       c.name = BcastOp::kName, c.mpi_op = MPI_OP_NULL;
       return Execute<BcastOp>(c, device, memory, described("bcast", false, true));
-    case kMeetAllreduceEach:
-      c.in = c.out = m.send.data();
-      c.in_count = c.out_count = L * row;
-      return Execute<AllreduceOp>(c, device, memory, described("allreduce", true, false));
     case kMeetReduce:
       c.in = m.send.data(), c.out = m.receive.data();
       c.in_count = c.out_count = row;
@@ -331,9 +321,6 @@ void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_by
       break;
     case kMeetReduceScatter:
       std::memcpy(output, m.receive.data() + g.part * row, row);
-      break;
-    case kMeetAllreduceEach:
-      std::memcpy(output, m.send.data() + g.part * row, row);
       break;
     case kMeetAlltoall:
       for (size_t from = 0; from < static_cast<size_t>(g.ranks) * L; ++from) {
@@ -368,9 +355,6 @@ void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
     case kMeetAllgather:
       m.send.resize(L * row), m.receive.resize(P * L * row);
       break;
-    case kMeetAllreduceEach:
-      m.send.resize(L * row), m.receive.clear();
-      break;
     case kMeetReduceScatter:
       m.send.resize(in_bytes), m.receive.resize(L * row);
       break;
@@ -394,7 +378,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
                                 int64_t local, int64_t kind, ffi::Span<const int64_t> pairs) {
   Call c{};
   const bool reduces = kind == kMeetAllreduce || kind == kMeetReduceScatter ||
-                       kind == kMeetReduce || kind == kMeetAllreduceEach;
+                       kind == kMeetReduce;
   if (ffi::Error err = reduces ? PrepareArray<AllreduceOp>(c, x, out, device, comm_slot, 0, op,
                                                            site, ffi::Span<const int64_t>())
                                : PrepareArray<AllgatherOp>(c, x, out, device, comm_slot, 0, op,
@@ -402,7 +386,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
       err.failure()) {
     return err;
   }
-  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetAllreduceEach) {
+  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetReduce) {
     return ffi::Error::InvalidArgument("mpicoll: local meeting out of range");
   }
   c.name = KindName(kind);
