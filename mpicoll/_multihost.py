@@ -29,9 +29,11 @@ _JAX_OWN = {"process_allgather": _jax_utils.process_allgather,
             "broadcast_one_to_all": _jax_utils.broadcast_one_to_all}
 
 
+_installed = False  # by install(), which mpicoll.distributed.initialize() calls
+
+
 def _on_mpi():
-    from . import distributed  # noqa: PLC0415 -- distributed installs this module
-    return distributed.is_initialized() and jax.process_count() > 1
+    return _installed and jax.process_count() > 1
 
 
 def _host(x):
@@ -111,5 +113,7 @@ def broadcast_one_to_all(in_tree, is_source=None):
 
 def install():
     """Put the MPI versions in JAX's module (mpicoll.distributed.initialize)."""
+    global _installed
+    _installed = True
     _jax_utils.process_allgather = process_allgather
     _jax_utils.broadcast_one_to_all = broadcast_one_to_all

@@ -94,14 +94,22 @@ def run_case(name, body, shape, axes, vmapped):
     what = f"{name} over {axes}{' under vmap' if vmapped else ''}"
     if not _types_compared(ours, theirs, everyone, types, what):
         return
-    if name.startswith(("pmax", "pmin", "all_to_all untiled")):
-        # JAX's own has no vjp to compare with (none; a cotangent type error)
+    # JAX's own pmax, pmin and untiled all_to_all have no vjp to compare with (none; a
+    # cotangent type error)
+    compared_with_jax(what, ours, theirs, everyone, 7,
+                      with_vjp=not name.startswith(("pmax", "pmin", "all_to_all untiled")))
+
+
+def compared_with_jax(what, ours, theirs, everyone, seed, with_vjp=True):
+    """Our program's values on this rank's blocks against JAX's one-process program on
+    every block, and with_vjp their pullbacks of the same cotangents (data(seed))."""
+    if not with_vjp:
         check(what, ours(rows(everyone[MINE])), mine(theirs(rows(everyone))))
         return
     expected, reference_pullback = jax.vjp(theirs, rows(everyone))
     got, pullback = jax.vjp(ours, rows(everyone[MINE]))
     check(what, got, mine(expected))
-    cotangents = data((expected.shape[0] // N, *expected.shape[1:]), 7)
+    cotangents = data((expected.shape[0] // N, *expected.shape[1:]), seed)
     check(what + ": vjp", pullback(rows(cotangents[MINE]))[0],
           mine(reference_pullback(rows(cotangents))[0]))
 
@@ -167,15 +175,8 @@ def groups_against_jax():
             theirs = jax.jit(jax.shard_map(lambda x: body(x, "r"), mesh=REFERENCE_MESH,
                                            in_specs=P(("r", "dev")), out_specs=P(("r", "dev")),
                                            check_vma=False))
-            if name in ("pmax", "pmin"):  # JAX has no vjp of its own to compare with
-                check(what, ours(rows(everyone[MINE])), mine(theirs(rows(everyone))))
-                continue
-            expected, reference_pullback = jax.vjp(theirs, rows(everyone))
-            got, pullback = jax.vjp(ours, rows(everyone[MINE]))
-            check(what, got, mine(expected))
-            cotangents = data((expected.shape[0] // N, *expected.shape[1:]), 16)
-            check(what + ": vjp", pullback(rows(cotangents[MINE]))[0],
-                  mine(reference_pullback(rows(cotangents))[0]))
+            compared_with_jax(what, ours, theirs, everyone, 16,
+                              with_vjp=name not in ("pmax", "pmin"))  # JAX has no vjp of those
 
 
 attempt("invariant reductions", invariant_results)
