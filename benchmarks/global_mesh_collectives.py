@@ -15,13 +15,15 @@ whatever L, so L = 1 (the direct MPI collective) is the floor an L > 1 run is
 compared with: run both and divide (`make bench` does, and prints the ratios).
 Medians over repeats, each started together (a barrier), the slowest rank,
 block_until_ready() always; every result checked against numpy once.
-Prints one line per collective and writes
-benchmarks/results/global_mesh_collectives_<L>dev.json.
+Prints one line per collective and merges the run into
+benchmarks/results/global_mesh_collectives_<P>proc.json (one entry per L; the
+docs' tables read a copy, docs/global_mesh-<P>proc.json).
 """
 
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -90,6 +92,23 @@ def reference(name, everyone):
     return np.broadcast_to(everyone.sum(0), everyone.shape) * 0.5
 
 
+def record(results):
+    """Merge this run into results/global_mesh_collectives_<P>proc.json, one entry per L
+    (the docs' bench-table reads a copy: docs/global_mesh-<P>proc.json)."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"global_mesh_collectives_{PROCESSES}proc.json"
+    machine = dict(benchmark="global_mesh", processes=PROCESSES, jax=jax.__version__,
+                   mpi=MPI.Get_library_version().splitlines()[0], host=platform.node(),
+                   cores=os.cpu_count())
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if {k: data.get(k) for k in machine} != machine:
+        data = dict(machine, runs={})  # another machine or setup: start anew
+    data["runs"][str(L)] = dict(when=time.strftime("%Y-%m-%d %H:%M"), repeats=ARGS.repeats,
+                                inner=ARGS.inner, bytes_per_process=PER_DEVICE * 4 * L,
+                                load_average=list(os.getloadavg()[:1]), us_per_call=results)
+    path.write_text(json.dumps(data, indent=1))
+
+
 def main():
     mesh = jax.make_mesh((PROCESSES, L), AXES)
     spec = P(AXES)
@@ -115,12 +134,16 @@ def main():
             times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
         results[name] = float(np.median(times)) / ARGS.inner * 1e6
     # Per call (issue 34's item 3): 200 dispatches of a jitted shard_map, 16 B per device:
-    # a psum over the process axis alone (one device per process in each group), and
-    # a body with no collective (JAX's own cost of a call at L devices).
+    # a psum over the process axis alone (one device per process in each group), a
+    # body with no collective (JAX's own cost of a call at L devices), and a psum
+    # over the device axis alone.
     small = jax.make_array_from_process_local_data(NamedSharding(mesh, spec),
                                                    np.ones(4 * L, np.float32))
-    for name, body in (("psum over hosts, per call", lambda v: lax.psum(v, "hosts")),
-                       ("empty body, per call", lambda v: v * 2)):
+    per_call = {"psum over hosts, per call": lambda v: lax.psum(v, "hosts"),
+                "empty body, per call": lambda v: v * 2}
+    if L > 1:  # inside each process: its devices meet in mpicoll's handler (no MPI peer)
+        per_call["psum over local, per call"] = lambda v: lax.psum(v, "local")
+    for name, body in per_call.items():
         call = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
                                      check_vma=False))
         jax.block_until_ready(call(small))
@@ -139,9 +162,7 @@ def main():
         print(header)
         for name, micros in results.items():
             print(f"  {name:26s} {micros:10.1f}")
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"global_mesh_collectives_{L}dev.json").write_text(
-            json.dumps({"header": header, "us_per_call": results}, indent=1))
+        record(results)
     sys.stdout.flush()
 
 

@@ -38,12 +38,16 @@ lowering refusal in _typing.py stays behind it, so nothing over RANKS acts on
 one process silently.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from mpi4py import MPI
 
 from . import _blocks, _compat, _local_meeting, _mesh_groups, _ranks_devices, _typing
+from . import comm as comm_layer
 from ._dispatch import bind
 from .p2p import PROC_NULL, SENDRECV
 
@@ -63,15 +67,17 @@ class _Participants:
     layout: one of the three above.  For RANKS_X_AXIS: local_axis and its size
     local, and devices_first where the axes name the local axis first
     (participant k * ranks + r for device k of rank r, not r * local + k).  For
-    WHOLE: local, every device of the process.  order: where it is not rank-major,
+    WHOLE: local, the devices of the process that meet (all, or one group of
+    them: groups names each device's group).  order: where it is not rank-major,
     the axes' index of each rank-major row (device k of rank r is row r * L + k,
     as mpicoll's handlers number them).
     """
 
     def __init__(self, comm, layout, count, local_axis=None, local=1, devices_first=False,
-                 order=None):
+                 order=None, groups=()):
         self.comm, self.layout, self.count = comm, layout, count
         self.local_axis, self.local, self.devices_first = local_axis, local, devices_first
+        self.groups = groups  # WHOLE: each local device's group, where several meet apart
         # order[r * L + k]: the index, in the axes' order, of device k of rank r
         if order is None and devices_first:
             j = np.arange(count)
@@ -104,7 +110,8 @@ class _Participants:
         local axis too, as JAX's collective over it would type it."""
         if self.layout == RANKS_X_AXIS and _vma():
             x = _compat.pvary(x, (self.local_axis,))
-        return _local_meeting.meet(x, kind, self.comm, self.local, **params)
+        return _local_meeting.meet(x, kind, self.comm, self.local, groups=self.groups,
+                                   **params)
 
     def index(self, axes):
         """This participant's index in the axes' order (traced where it depends on the device)."""
@@ -157,13 +164,13 @@ def _over_processes(axes, caller):
             "axis and a device axis, e.g. jax.make_mesh((jax.process_count(), "
             "jax.local_device_count()), ('proc', 'dev')), and collect over ('proc',) or "
             "('proc', 'dev')")
-    color, key, *order = groups[jax.process_index()]
+    color, key, *whole = groups[jax.process_index()]
     comm = _mesh_groups.mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
     if comm.size == 1 and layout == PER_DEVICE:
-        return None  # the axes stay inside this process: XLA's own collective
-    count = comm.size * (local if layout == WHOLE else 1)
-    who = _Participants(comm, layout, count, local=local if layout == WHOLE else 1,
-                        order=order[0] if order else None)
+        return None  # one device: nothing to collect
+    order, per_group, device_groups = whole or (None, 1, ())
+    who = _Participants(comm, layout, comm.size * per_group, local=per_group, order=order,
+                        groups=device_groups)
     who.split_from = ((tuple(names), tuple(sizes), tuple(axes)), color)
     return who
 
@@ -184,7 +191,8 @@ def _allreduce(x, op, who):
         return bind(_blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
     if who.layout == RANKS_X_AXIS:
         return _ranks_devices.allreduce(x, op, who.comm, who.local_axis)
-    return _ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True)
+    return _ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True,
+                                             local=who.local, groups=who.groups)
 
 
 # WHOLE: the L devices of a process have no axis of their own to run XLA's
@@ -305,7 +313,7 @@ def _ppermute(x, who, *, perm):
             f"{who.local_axis!r}), not ({who.local_axis!r}, {RANKS!r}); the permutation's "
             "indices are then rank * local devices + device")
     pairs = _checked_permutation(perm, who.count)
-    if who.layout == WHOLE:
+    if who.layout == WHOLE and len(who.axes) > 1:
         # As JAX numbers ppermute's participants: by the mesh's order of the axes.
         names, _ = _mesh_groups.global_mesh()
         in_mesh_order = tuple(sorted(who.axes, key=names.index))
@@ -409,11 +417,32 @@ def _participants(name, axes):
     """Who takes part in the collective `name` over `axes`, where some of them span
     MPI ranks: RANKS inside shard_map over mpicoll.mesh(), or axes of a global
     mesh that span processes.  None where none does (JAX runs it)."""
-    if RANKS in axes and RANKS in _compat.manual_mesh_axes():
+    mesh_axes = _compat.manual_mesh_axes()
+    if RANKS in axes and RANKS in mesh_axes:
         return _over_ranks(axes, name)
-    if name == "axis_index" or not set(axes) <= set(_compat.manual_mesh_axes()):
+    if name == "axis_index" or not set(axes) <= set(mesh_axes):
         return None  # a global mesh's indices are JAX's own; other axes, JAX's error
+    if RANKS in mesh_axes:
+        return _within_process(axes)
     return _over_processes(axes, name)
+
+
+def _within_process(axes):
+    """The participants of a collective over mpicoll.mesh()'s local axis alone,
+    after jax.distributed: this process's devices, which meet in mpicoll's handler
+    on CPU with no MPI peer, where XLA's own collective would be gloo's, a TCP
+    round trip inside the process.  In one JAX process (and on GPUs) XLA's own
+    in-process collectives stay: faster here at every size measured
+    (docs/jax-vocabulary.md)."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return None
+    return _Participants(_this_process(tuple(axes)), WHOLE, lax.axis_size(axes),
+                         local=lax.axis_size(axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _this_process(axes):
+    return comm_layer.for_mesh_axes(MPI.COMM_SELF.Dup(), axes, "jax.lax")
 
 
 def _route(name, args, params):

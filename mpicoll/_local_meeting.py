@@ -12,7 +12,8 @@ buffer and runs the MPI collective, every device takes its part.
     reduce          a block, sum         the sum at the root    MPI_Reduce (bcast's transpose)
 
 Rows are numbered rank-major, row r * L + k for local device k of rank r of
-the communicator; callers reorder rows to their axes' order around the call
+the communicator (k counts the devices of one group, where a process's
+devices meet in several: a mesh axis that takes some of them); callers reorder rows to their axes' order around the call
 (_lax_over_ranks._Participants).  Each rank sends the bytes of the direct
 collective over its P*L participants whatever L is (the sum of placed rows it
 replaces sent P*L times that; issue 34).  CPU only (the handler reads the
@@ -37,14 +38,15 @@ KINDS = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "alltoall": 3, "pe
 _ROWS_IN = ("reduce_scatter", "alltoall")  # x holds one row per participant
 
 
-def meet(x, kind, comm, local, *, pairs=(), root=0):
-    """`kind` over the `local` devices (those the program runs on here) of every
-    rank of `comm` (a CommInfo); pairs: permute's (source row, destination row);
-    root: bcast's row."""
+def meet(x, kind, comm, local, *, pairs=(), root=0, groups=()):
+    """`kind` over `local` devices (those the program runs on here, or one group
+    of them) of every rank of `comm` (a CommInfo); pairs: permute's (source row,
+    destination row); root: bcast's row; groups: each local device's group,
+    where the devices meet in several groups (each over its own `local`)."""
     x = _typing.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
     return local_meeting_p.bind(x, kind=kind, comm=comm.slot, size=comm.size, local=local,
-                                pairs=flat, root=int(root))
+                                pairs=flat, root=int(root), groups=tuple(groups))
 
 
 def _shape(shape, kind, participants):
@@ -63,12 +65,13 @@ def _abstract_eval(x, *, kind, comm, size, local, **params):
     return out, {mpi_effect}
 
 
-def _lowering(ctx, x, *, kind, comm, local, pairs, root, **params):
+def _lowering(ctx, x, *, kind, comm, local, pairs, root, groups=(), **params):
     op = _types.op_code("sum", ctx.avals_in[0].dtype, "psum") if kind in (
         "reduce_scatter", "reduce") else 0
     return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, comm=comm, op=op, root=root,
                             local=local, kind=KINDS[kind],
-                            pairs=np.asarray(pairs, np.int64).reshape(-1))
+                            pairs=np.asarray(pairs, np.int64).reshape(-1),
+                            groups=np.asarray(groups, np.int64).reshape(-1))
 
 
 def _elsewhere(ctx, x, **params):

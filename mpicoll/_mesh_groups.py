@@ -4,9 +4,10 @@ A global mesh (after mpicoll.distributed.initialize() or jax.distributed's own)
 spans every process's devices, listed process-major; a collective over some of
 its axes groups the devices, and grouping() says how: one device per process
 (PER_DEVICE: the direct MPI collective on a communicator per set of processes),
-whole processes (WHOLE: every device of each, which meet in mpicoll's handler),
-or neither (refused).  The communicators are split from COMM_WORLD once per mesh
-shape and axes, and per axis_index_groups.
+the same devices of each process (WHOLE: all of them, or a group of them where
+the axes take some, which meet in mpicoll's handler), or neither (refused).
+The communicators are split from COMM_WORLD once per mesh shape and axes, and
+per axis_index_groups.
 """
 
 import functools
@@ -43,6 +44,7 @@ def global_mesh():
 def grouping(names, sizes, axes, processes, local):
     """How a collective over `axes` of a process-major mesh groups the devices:
     (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
+    with WHOLE also (order, devices per group, each local device's group or ()),
     or (None, why) when no layout fits."""
     devices = np.arange(processes * local)
     coords = np.stack(np.unravel_index(devices, sizes), axis=1)
@@ -73,13 +75,33 @@ def grouping(names, sizes, axes, processes, local):
             orders.setdefault(color[order[0]], set()).add(order)
         if all(len(found) == 1 for found in orders.values()):
             return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
-    if all(len(m) == len(ranks_of[g]) * local for g, m in members.items()):
-        # Each process's place in the axes' order of its group's participants, rank-major
-        # (its communicator ranks the processes by index, each with its devices in order).
-        orders = {g: tuple(int(p) for p in position[sorted(m)]) for g, m in members.items()}
-        return WHOLE, [(color[q], q, orders[group_of[q * local]]) for q in range(processes)]
-    return None, "its groups take some but not all of a process's devices"
-
+    # Otherwise the same `devices` local devices of each process in every group
+    # (all of them, or a group of them where the axes take some): they meet in
+    # mpicoll's handler, each group apart (_local_meeting).
+    shares = {(g, int(q)): tuple(sorted(device[m][process[m] == q]))
+              for g, m in members.items() for q in set(process[m])}
+    if len({len(v) for v in shares.values()}) != 1:
+        return None, "its groups take different numbers of devices from different processes"
+    if any(len({shares[(g, int(q))] for q in set(process[m])}) != 1
+           for g, m in members.items()):
+        return None, "its groups take different local devices on different processes"
+    per_group = len(next(iter(shares.values())))
+    # Each process's place in the axes' order of its group's participants,
+    # rank-major (its communicator ranks the processes by index, each with its
+    # devices in order): the same for every group of a process, as the
+    # handler's program is.  A device's group: its group's rank among those of
+    # its process, by their lowest device.
+    result = []
+    for q in range(processes):
+        mine = sorted({group_of[i] for i in devices[process == q]},
+                      key=lambda g: min(members[g]))
+        orders = {tuple(int(p) for p in position[sorted(members[g])]) for g in mine}
+        if len(orders) != 1:
+            return None, "its groups order their participants differently"
+        table = tuple(mine.index(group_of[q * local + k]) for k in range(local))
+        result.append((color[q], q, orders.pop(), per_group,
+                       table if len(mine) > 1 else ()))
+    return WHOLE, result
 
 
 @functools.lru_cache(maxsize=None)

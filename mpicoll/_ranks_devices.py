@@ -154,18 +154,22 @@ def _combines_in_handler(x, local):
             and not overlap.active() and jax.default_backend() == "cpu")
 
 
-def combined_allreduce(x, name, info, axis_name, whole=False):
+def combined_allreduce(x, name, info, axis_name, whole=False, local=None, groups=()):
     """whole: the combine is the entire collective over axis_name (its every
     participant is a device of a rank of info), not a step of the composition
-    over a local axis: a global mesh's axis that spans processes and their
-    devices, where XLA's own collectives would be JAX's cross-process ones."""
+    over a local axis: a global mesh's axes that span processes and their
+    devices, or a process's devices alone, where XLA's own collectives would be
+    JAX's cross-process ones.  local, groups: the devices that meet per rank,
+    and each device's group where several groups meet apart (_local_meeting)."""
     params = dict(comm=info.slot, size=info.size, root=0,
                   op=_types.op_code(name, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
                   checked_ad=_typing.autodiff_checked())
     x, params = _typing.typed_input(x, info), _typing.typed_params(params)
-    local = jax.local_device_count() if whole else lax.axis_size(axis_name)
-    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole, **params)
+    if local is None:
+        local = jax.local_device_count() if whole else lax.axis_size(axis_name)
+    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole,
+                                     groups=tuple(groups), **params)
 
 
 def _combined_abstract_eval(x, *, axis_name, local, op, **params):
@@ -176,11 +180,11 @@ def _combined_abstract_eval(x, *, axis_name, local, op, **params):
     return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape, params), {mpi_effect}
 
 
-def _combined_lowering(ctx, x, *, comm, op, local, **params):
+def _combined_lowering(ctx, x, *, comm, op, local, groups=(), **params):
     # In place: a dead or donated x (a loop carry) is the output buffer.
     return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, aliases={1: 1}, comm=comm,
                             op=op, root=0, local=local, kind=_local_meeting.KINDS["allreduce"],
-                            pairs=np.zeros(0, np.int64))
+                            pairs=np.zeros(0, np.int64), groups=np.asarray(groups, np.int64))
 
 
 def _combined_elsewhere(ctx, x, **params):

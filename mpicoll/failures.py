@@ -49,7 +49,7 @@ def set_check_mode(mode=True):
     allgather on a private duplicate; on a mismatch every rank raises
     jax.errors.JaxRuntimeError listing what each rank called (ValueError where JAX
     ran a jitted program from its cache: jax-ml/jax#34083), and the mismatched
-    collective does not run (docs/troubleshooting.md).
+    collective does not run (docs/failures.md).
 
     Args:
         mode: "first-run" (the default; MPICOLL_CHECK sets the initial mode):
@@ -124,7 +124,7 @@ def set_timeout(seconds):
     The watchdog ends the job (MPI_Abort, exit status 3) with the stall report
     as its reason, naming the collective, the rank and the communicator; it also
     watches point-to-point calls and a communicator's first use
-    (docs/troubleshooting.md).
+    (docs/failures.md).
 
     Args:
         seconds: the limit, a number >= 0; None or 0: wait forever.  The default
@@ -151,7 +151,7 @@ def set_stall_report(seconds):
     The watchdog of the lowest stalled rank writes one report: the collective,
     its call site and sequence number, the ranks that have arrived, and what
     every other rank is doing (or that it does not answer); repeated after 2x,
-    4x, ... the threshold while the stall lasts (docs/troubleshooting.md).
+    4x, ... the threshold while the stall lasts (docs/failures.md).
 
     Args:
         seconds: the threshold, a number >= 0; None or 0: no reports.  The

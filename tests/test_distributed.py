@@ -29,7 +29,7 @@ def test_jax_multiprocess_api_and_mpicoll_after_initialize(ranks, devices):
 
 
 @serial_only
-@pytest.mark.parametrize("ranks,devices", [(2, 1), (2, 2)])  # 3 ranks: in-process tests
+@pytest.mark.parametrize("ranks,devices", [(2, 1), (2, 4)])  # 3 ranks: in-process tests
 def test_a_global_mesh_program_runs_its_collectives_on_mpicoll(ranks, devices, tmp_path):
     # The same program in one process over ranks x devices first: the reference.
     reference = tmp_path / "reference.npz"

@@ -5,7 +5,8 @@
   ``benchmarks/bench.py``, ``jax_vocabulary-<L>dev.json`` from
   ``benchmarks/jax_vocabulary.py``, ``dispatch-<ranks>.json`` from
   ``benchmarks/dispatch.py``, ``gpu_bench-<ranks>.json`` from
-  ``benchmarks/gpu_bench.py``), so the figures on the site are the file's, never
+  ``benchmarks/gpu_bench.py``, ``global_mesh-<P>proc.json`` from
+  ``benchmarks/global_mesh_collectives.py``), so the figures on the site are the file's, never
   typed by hand.  Each format is read into one shape (rows of op, size,
   implementation, µs per call); the caption comes from the file's header.
 * A completeness check: every name in ``mpicoll.__all__`` must be documented on the
@@ -91,6 +92,8 @@ FORMATS = {
                          size_title="per device", ratios=["jax+gloo / mpicoll"]),
     # benchmarks/dispatch.py's file: a jitted step from a Python loop, with and without
     # a collective; the eager allreduce beside mpi4py's.
+    "global_mesh": Format(columns=[(f"L={n}", f"L = {n}") for n in (1, 2, 4, 8)],
+                          size_title="per process", ratio_to="L=1"),
     "dispatch": Format(columns=[("step", "without collective"),
                                 ("+ allreduce", "+ allreduce, device order"),
                                 ("+ allreduce, tokens", "+ allreduce, tokens mode"),
@@ -206,6 +209,24 @@ def _read_dispatch(name, data):
     return results
 
 
+def _read_global_mesh(name, data):
+    runs = data["runs"]
+    first = runs[min(runs, key=int)]
+    caption = (f"jax.lax collectives over a global mesh (\"hosts\", \"local\"), "
+               f"{data['processes']} processes × L devices on one {data['cores']}-core "
+               f"machine, {_mpi(data['mpi'])}, jax {data['jax']}; {first['when'][:10]}; "
+               f"µs per call, median of {first['repeats']} repeats of the slowest rank, a "
+               f"loop of {first['inner']} dependent calls (per call: 200 dispatches of a "
+               f"16 B program); the same bytes per process at every L; (×): to L = 1")
+    results = Results(name, "global_mesh", caption, "µs per call")
+    for local in sorted(runs, key=int):
+        run = runs[local]
+        for op, us in run["us_per_call"].items():
+            results.add(op, 16 if "per call" in op else run["bytes_per_process"],
+                        f"L={local}", us)
+    return results
+
+
 def read_results(path):
     """A result file as Results; ValueError if it is none of the known formats."""
     with open(path) as f:
@@ -213,6 +234,8 @@ def read_results(path):
     name = os.path.basename(path)
     if data.get("benchmark") == "dispatch":
         return _read_dispatch(name, data)
+    if data.get("benchmark") == "global_mesh":
+        return _read_global_mesh(name, data)
     for key, reader in (("machine", _read_cpu), ("header", _read_gpu),
                         ("medians_us", _read_vocabulary)):
         if key in data:

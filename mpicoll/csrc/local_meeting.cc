@@ -9,10 +9,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -28,9 +30,11 @@
 namespace mpicoll {
 namespace {
 
-// The participants are the P ranks of the communicator times the L local
-// devices of each, numbered rank-major: row j = rank * L + device (Python
-// reorders rows to the mesh axes' order around the call).  A "row" is one
+// The participants are the P ranks of the communicator times L local devices
+// of each (all of a process's devices, or one group of them: the "groups"
+// attribute names each device's group, and each group meets apart), numbered
+// rank-major: row j = rank * L + device (Python reorders rows to the mesh axes'
+// order around the call).  A "row" is one
 // participant's block: a device's whole input for allreduce, allgather,
 // permute and bcast; 1/(P*L) of it for reduce_scatter and alltoall, whose input
 // holds one row per participant.  What each kind packs into the leader's send
@@ -115,8 +119,20 @@ struct LocalMeeting {
   std::string mismatch;         // arrivals that disagree (never in one SPMD program)
   std::string error;            // this generation's failure, seen by every thread
 };
-// One per communicator slot, like the table row it serves.
-LocalMeeting* const local_meetings = new LocalMeeting[kMaxComms];
+// One per communicator slot and group of local devices (most slots have one:
+// every local device; a mesh axis that takes some of a process's devices has
+// several, each meeting apart and led by its own lowest device, which talks on
+// its own device's communicator).  Made on first use, never freed: a waiting
+// thread may hold one while another looks up the next.
+LocalMeeting& MeetingFor(int64_t comm_slot, int64_t group) {
+  static std::mutex made_mutex;
+  static auto* const made = new std::unordered_map<int64_t, std::unique_ptr<LocalMeeting>>();
+  std::lock_guard<std::mutex> lock(made_mutex);
+  std::unique_ptr<LocalMeeting>& meeting =
+      (*made)[(comm_slot % kMaxComms) * kMaxLocalDevices + group];
+  if (!meeting) meeting = std::make_unique<LocalMeeting>();
+  return *meeting;
+}
 constexpr int64_t kLocalSpinNs = 50000;
 
 // Waits (spin, then sleep) until ready() holds; ready reads atomics only.
@@ -375,7 +391,8 @@ void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
 ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                                 ffi::Result<ffi::AnyBuffer> out, int32_t device,
                                 int64_t comm_slot, int64_t op, int64_t root, int64_t site,
-                                int64_t local, int64_t kind, ffi::Span<const int64_t> pairs) {
+                                int64_t local, int64_t kind, ffi::Span<const int64_t> pairs,
+                                ffi::Span<const int64_t> groups) {
   Call c{};
   const bool reduces = kind == kMeetAllreduce || kind == kMeetReduceScatter ||
                        kind == kMeetReduce;
@@ -386,7 +403,12 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
       err.failure()) {
     return err;
   }
-  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetReduce) {
+  // groups: each local device's group (those that meet), empty where all do.
+  const int64_t group = groups.size() == 0                             ? 0
+                        : device < static_cast<int64_t>(groups.size()) ? groups[device]
+                                                                       : -1;
+  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetReduce ||
+      group < 0 || group >= kMaxLocalDevices) {
     return ffi::Error::InvalidArgument("mpicoll: local meeting out of range");
   }
   c.name = KindName(kind);
@@ -397,7 +419,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
             rows_in ? in_bytes / participants : in_bytes, pairs, root};
   if (in_bytes == 0 && out_bytes == 0) return ffi::Error::Success();  // alike everywhere
   progress_threads[device].Drain();  // this device's queued calls come first
-  LocalMeeting& m = local_meetings[comm_slot % kMaxComms];
+  LocalMeeting& m = MeetingFor(comm_slot, group);
   std::unique_lock<std::mutex> lock(m.mutex);
   const uint64_t generation = m.generation.load();
   const int index = m.arrived.load();
@@ -495,6 +517,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, CpuLocalMeetingEntry,
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("local")
                                   .Attr<int64_t>("kind")
-                                  .Attr<ffi::Span<const int64_t>>("pairs"));
+                                  .Attr<ffi::Span<const int64_t>>("pairs")
+                                  .Attr<ffi::Span<const int64_t>>("groups"));
 
 }  // namespace mpicoll

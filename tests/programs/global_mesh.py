@@ -51,7 +51,14 @@ LAYOUTS = [((N,), ("x",), ("x",)),
            ((SIZE, LOCAL), ("proc", "dev"), ("proc",)),
            ((SIZE, LOCAL), ("proc", "dev"), ("proc", "dev")),
            # the participants device-major: the handler's rows reordered around the call
-           ((SIZE, LOCAL), ("proc", "dev"), ("dev", "proc"))]
+           ((SIZE, LOCAL), ("proc", "dev"), ("dev", "proc")),
+           # inside each process: its devices meet with no MPI peer
+           ((SIZE, LOCAL), ("proc", "dev"), ("dev",))]
+if LOCAL % 2 == 0 and LOCAL > 2:
+    # axes that take some of each process's devices: groups of them meet apart,
+    # inside each process and across processes
+    LAYOUTS += [((SIZE, 2, LOCAL // 2), ("proc", "a", "b"), axes)
+                for axes in (("b",), ("proc", "b"), ("b", "proc"))]
 XLA_COLLECTIVE = re.compile(r"all-reduce|all-gather|all-to-all|collective-permute|"
                             r"reduce-scatter|collective-broadcast")
 NO_VJP = ("pmax", "pmin", "all_to_all untiled")  # JAX has none of its own to compare with
@@ -165,8 +172,37 @@ def a_mesh_not_process_major_is_refused():
         failures.append("a mesh whose devices are not process-major was lowered")
 
 
+def a_local_axis_alone_meets_in_mpicolls_handler():
+    # mpicoll.mesh(local_axis) after jax.distributed: a collective over the local
+    # axis alone stays inside this process, on mpicoll's handler rather than gloo.
+    import mpicoll
+    from jax import lax
+    mesh = mpicoll.mesh("d")
+    mine = data((3,), 5)[MINE]  # (LOCAL, 3): a row per local device
+    ring = [(k, (k + 1) % LOCAL) for k in range(LOCAL)]
+    bodies = {"psum": (lambda x: lax.psum(x, "d"), np.tile(mine.sum(0), (LOCAL, 1))),
+              "pmax": (lambda x: lax.pmax(x, "d"), np.tile(mine.max(0), (LOCAL, 1))),
+              "all_gather": (lambda x: lax.all_gather(x, "d").reshape(1, -1),
+                             np.tile(mine.reshape(-1), (LOCAL, 1))),
+              "ppermute": (lambda x: lax.ppermute(x, "d", ring), np.roll(mine, 1, axis=0))}
+    for name, (body, expected) in bodies.items():
+        program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        text = program.lower(mine).compile().as_text()
+        if XLA_COLLECTIVE.search(text):
+            failures.append(f"{name} over mpicoll.mesh's local axis: an XLA collective is left")
+        check(f"{name} over mpicoll.mesh's local axis", program(mine), expected)
+    # The vjp of a psum: every device's cotangent summed.
+    program = jax.jit(jax.shard_map(lambda x: lax.psum(x, "d"), mesh=mesh, in_specs=P("d"),
+                                    out_specs=P("d")))
+    _, pullback = jax.vjp(program, mine)
+    check("psum over mpicoll.mesh's local axis: vjp", pullback(mine)[0],
+          np.tile(mine.sum(0), (LOCAL, 1)))
+
+
 if not MAKING_REFERENCE and SIZE > 1:
     attempt("a mesh not process-major", a_mesh_not_process_major_is_refused)
+    if LOCAL > 1:
+        attempt("a local axis alone", a_local_axis_alone_meets_in_mpicolls_handler)
     for shape, names, axes in LAYOUTS[1:] if LOCAL > 1 else LAYOUTS[:1]:
         attempt(f"pbroadcast over {axes}",
                 lambda: pbroadcast_against_numpy(shape, names, axes))

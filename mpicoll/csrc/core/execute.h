@@ -81,7 +81,7 @@ ffi::Error CheckCall(const Call& c, int32_t device, const CheckPlan& plan,
 // in rank order with MPI's own operators (MPI_Reduce_local), so the check is
 // the collective: no second MPI call per call (a jitted loop of 4-byte
 // allreduces, MPICH, 2 ranks: 1.0-1.1x the unchecked loop, against 2.5x as two
-// collectives; docs/troubleshooting.md).  Every rank reduces in the same order,
+// collectives; docs/failures.md).  Every rank reduces in the same order,
 // so every rank gets the same bits.  A rank whose block does not fit a record
 // checks the usual way, and its record meets the others' alike.
 template <typename Memory, typename = void>
