@@ -65,7 +65,10 @@ intersphinx_mapping = {}
 
 html_theme = "sphinx_book_theme"
 html_title = f"mpicoll {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["mpicoll.css"]
+# One search box: the theme's sidebar field goes, the header's search button stays.
+html_sidebars = {"**": ["navbar-logo.html", "icon-links.html", "sbt-sidebar-nav.html"]}
 html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,

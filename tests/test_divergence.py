@@ -126,7 +126,7 @@ def test_checks_raise_the_mismatch_on_every_rank(ranks, case):
     """MPICOLL_CHECK=1: a different shape, and two alike programs called in swapped
     order (their call sites differ), raise the mismatch on every rank: JaxRuntimeError,
     or ValueError on a rank that ran its program from JAX's cache (jit's C++ fast path,
-    jax-ml/jax#34083; docs/troubleshooting.md).  By default (first-run checks): two
+    jax-ml/jax#34083; docs/failures.md).  By default (first-run checks): two
     ranks comparing different new calls while a third comes late are no divergence
     for the watchdog, whose probe sees them (their checks meet and raise)."""
     result = _run(ranks, case, **({} if case == "late-check" else {"MPICOLL_CHECK": "1"}))

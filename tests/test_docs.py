@@ -11,8 +11,10 @@
   tools of docs/requirements.txt into the venv); otherwise skipped, saying so.
 * Headless Chromium (Debian's `chromium` package) opens the built index, the API
   entry of `allreduce` and the search page for "allreduce", and the tests check
-  what each renders (the search results are made by the page's JavaScript).
-  Skipped where no Chromium is installed.  About 7 s for the three pages here.
+  what each renders (the search results are made by the page's JavaScript).  It
+  also lays out every page at 1280 px and at a phone's 390 px: no code block cut
+  off or wider than the page, a contents panel on every page over 80 lines, one
+  search box.  Skipped where no Chromium is installed.
 
 All of it launches processes of its own, so only the serial run takes part.
 """
@@ -271,6 +273,84 @@ def browser(site, tmp_path_factory):
         pytest.skip("no headless Chromium here (Debian: apt-get install chromium)")
     profile = tmp_path_factory.mktemp("chromium-profile")
     return lambda page: _dom(f"file://{site / page}", profile)
+
+
+# Every page at a desktop (1280 px) and a phone (390 px) width, in one browser: a
+# page of this test's own loads each into a frame of that width (file:// pages may
+# read each other with --allow-file-access-from-files) and writes what it measured.
+_LAYOUT_PAGE = """<!doctype html><html><body><pre id="out">pending</pre><script>
+const pages = PAGES, widths = [1280, 390], found = [];
+function measure(frame, page, width) {
+  const d = frame.contentDocument, w = frame.contentWindow;
+  const visible = e => e.offsetParent !== null && e.getBoundingClientRect().width > 0;
+  const code = Array.from(d.querySelectorAll("pre"));
+  found.push({page, width,
+    code_cut: code.filter(p => p.scrollWidth > p.clientWidth + 1
+      && !["auto", "scroll"].includes(w.getComputedStyle(p).overflowX)).length,
+    code_scrolls: code.filter(p => p.scrollWidth > p.clientWidth + 1).length,
+    contents: Array.from(d.querySelectorAll("nav.page-toc a, #pst-page-toc-nav a")).length,
+    search: Array.from(d.querySelectorAll("button.search-button__button, input[type=search]"))
+      .filter(visible).length});
+}
+function next(i) {
+  if (i === pages.length * widths.length) {
+    document.getElementById("out").textContent = "RESULT " + JSON.stringify(found);
+    return;
+  }
+  const page = pages[Math.floor(i / widths.length)], width = widths[i % widths.length];
+  const frame = document.createElement("iframe");
+  frame.style.width = width + "px"; frame.style.height = "800px";
+  frame.onload = () => { measure(frame, page, width); frame.remove(); next(i + 1); };
+  frame.src = SITE + page;
+  document.body.appendChild(frame);
+}
+next(0);
+</script></body></html>"""
+
+
+@pytest.fixture(scope="module")
+def layouts(site, browser, tmp_path_factory):
+    """What each page shows at 1280 and 390 px: {(page, width): measurements}."""
+    import json
+    pages = [page.with_suffix(".html").name for page in PAGES]
+    wrapper = tmp_path_factory.mktemp("layout") / "layout.html"
+    wrapper.write_text(_LAYOUT_PAGE.replace("PAGES", json.dumps(pages))
+                       .replace("SITE", json.dumps(f"file://{site}/")))
+    profile = tmp_path_factory.mktemp("chromium-layout")
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+               "--allow-file-access-from-files", "--window-size=1400,1000",
+               f"--user-data-dir={profile}", "--virtual-time-budget=60000", "--dump-dom",
+               f"file://{wrapper}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=BROWSER_TIMEOUT * 2)
+    found = re.search(r"RESULT (\[.*\])", html.unescape(result.stdout))
+    assert found, f"no measurements: {result.stdout[-1500:]} {result.stderr[-1500:]}"
+    return {(m["page"], m["width"]): m for m in json.loads(found.group(1))}
+
+
+def test_code_wraps_or_scrolls_on_every_page_at_desktop_and_phone_widths(layouts):
+    cut = {key: m["code_cut"] for key, m in layouts.items() if m["code_cut"]}
+    assert not cut, f"code blocks cut off at the right edge (page, width): {cut}"
+    scrolling = {key: m["code_scrolls"] for key, m in layouts.items() if m["code_scrolls"]}
+    assert not scrolling, f"code blocks wider than the page (mpicoll.css wraps them): {scrolling}"
+
+
+def test_long_pages_have_a_contents_panel_and_every_page_one_search(layouts):
+    long_pages = {page.with_suffix(".html").name for page in PAGES
+                  if page.read_text().count("\n") > 80}
+    without = sorted(page for (page, width), m in layouts.items()
+                     if width == 1280 and page in long_pages and m["contents"] < 2)
+    assert not without, f"pages over 80 lines without a contents panel: {without}"
+    searches = {page: m["search"] for (page, width), m in layouts.items()
+                if width == 1280 and m["search"] != 1}
+    assert not searches, f"pages without exactly one search box: {searches}"
+
+
+def test_troubleshooting_starts_from_the_symptoms():
+    text = (DOCS / "troubleshooting.md").read_text()
+    for symptom in ("## My job hangs", "## Ranks disagree", "## Wrong numbers",
+                    "## MPI not found"):
+        assert symptom in text
+    assert "troubleshooting" in (DOCS / "index.md").read_text().split("```{toctree}")[1]
 
 
 def test_index_renders(browser):

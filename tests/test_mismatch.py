@@ -1,5 +1,5 @@
 """Ranks that call different collectives: by default every rank raises, nobody
-gets garbage, a bare MPI abort or a hang (docs/troubleshooting.md).
+gets garbage, a bare MPI abort or a hang (docs/failures.md).
 
 The default check ("first-run") compares each call site's call across ranks
 the first time it runs.  Each case here is a new program on every rank, in
@@ -31,7 +31,7 @@ def _odd_one_out(value_on_0, value_elsewhere):
 
 # A shape no other test uses: the programs below are then new on every rank,
 # and a call site is compared on its first run in this process.  (A rank that
-# re-runs a program while another runs a new one is not compared: docs/troubleshooting.md.)
+# re-runs a program while another runs a new one is not compared: docs/failures.md.)
 SHAPE = (7, 11)
 OTHER = (7, 12)
 
@@ -88,7 +88,7 @@ def test_mismatch_raises_on_every_rank_by_default(case, mode):
 # this one), so both are compared.
 # Eager calls only: a jitted function's cached call runs on jit's C++ fast path,
 # which raises the error as ValueError in jaxlib <= 0.10.2 (jax-ml/jax#34083);
-# docs/troubleshooting.md says so.
+# docs/failures.md says so.
 CACHED_AND_NEW = {
     "eager, every-call": ("every-call", False, (3, 21)),
 }
