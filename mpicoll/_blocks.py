@@ -8,9 +8,9 @@ Each spec is a row of csrc/ops.def on the C++ side.
 
 import jax.numpy as jnp
 
-from . import _types
+from . import _compat, _types
 from ._primitive import define
-from ._spec import Collective, rank as _rank, run as _run
+from ._spec import Collective, rank as _rank
 from ._typing import pvary_p
 
 _SUM = _types.SUM
@@ -18,26 +18,24 @@ _OP_NAMES = _types.OP_NAMES
 
 
 # The derivatives of the non-linear reductions (prod, min, max) of reduce and
-# allreduce; linear in the tangent t.  The other reductions differentiate op="sum" only.
-def _reduction_jvp(name):
-    def jvp(x, y, t, params):
-        op = _OP_NAMES[params["op"]]
-        summed = lambda v: _run(name, v, params, op=_SUM)  # noqa: E731
-        if op in ("min", "max"):
-            # Like jnp.max: the selected elements' tangents, ties sharing equally.
-            selected = y if name == "allreduce" else _run("allreduce", x, params)
-            chosen = (x == selected).astype(t.dtype)
-            count = summed(chosen)
-            return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1),
-                                                  0)
-        if op == "prod":
-            # d(prod_r x_r) = sum_r (product of the other ranks' x) * t_r: exact with zeros.
-            everyone = _run("allgather", x, params, op=-1)
-            own = (jnp.arange(params["size"]) == _rank(params)).reshape((-1,) + (1,) * x.ndim)
-            others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
-            return summed(others * t)
-        raise NotImplementedError(f"mpicoll.{name}: op={op!r} has no derivative")
-    return jvp
+# allreduce (`spec`); linear in the tangent t.  The other reductions
+# differentiate op="sum" only.
+def _reduction_tangent(spec, x, y, t, params):
+    op = _OP_NAMES[params["op"]]
+    summed = lambda v: spec.run(v, params, op=_SUM)  # noqa: E731
+    if op in ("min", "max"):
+        # Like jnp.max: the selected elements' tangents, ties sharing equally.
+        selected = y if spec is ALLREDUCE else ALLREDUCE.run(x, params)
+        chosen = (x == selected).astype(t.dtype)
+        count = summed(chosen)
+        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
+    if op == "prod":
+        # d(prod_r x_r) = sum_r (product of the other ranks' x) * t_r: exact with zeros.
+        everyone = ALLGATHER.run(x, params, op=-1)
+        own = (jnp.arange(params["size"]) == _rank(params)).reshape((-1,) + (1,) * x.ndim)
+        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
+        return summed(others * t)
+    raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative")
 
 
 # bcast: root's x on every rank.  The output is replicated (one value), so its
@@ -47,7 +45,7 @@ BCAST = define(Collective(
     "bcast",
     out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: (
-        _run("reduce", ct, params, op=_SUM) if params["transpose_sums"]
+        REDUCE.run(ct, params, op=_SUM) if params["transpose_sums"]
         else ct if _rank(params) == params["root"] else jnp.zeros_like(ct)),
     has_root=True,
     in_place=True,
@@ -59,7 +57,7 @@ BCAST = define(Collective(
 SCATTER = define(Collective(
     "scatter",
     out_shape=lambda shape, params: shape[1:],
-    transpose=lambda ct, params: _run("gather", ct, params),
+    transpose=lambda ct, params: GATHER.run(ct, params),
     has_root=True,
     leading_axis_is_size=True,
 ))
@@ -69,8 +67,8 @@ SCATTER = define(Collective(
 REDUCE = define(Collective(
     "reduce",
     out_shape=lambda shape, params: shape,
-    transpose=lambda ct, params: _run("bcast", ct, params, op=-1),
-    reduction_jvp=_reduction_jvp("reduce"),
+    transpose=lambda ct, params: BCAST.run(ct, params, op=-1),
+    reduction_jvp=lambda x, y, t, params: _reduction_tangent(REDUCE, x, y, t, params),
     has_root=True,
     reduces=True,
     in_place=True,
@@ -85,19 +83,30 @@ ALLREDUCE = define(Collective(
     "allreduce",
     out_shape=lambda shape, params: shape,
     transpose=lambda ct, params: (
-        _run("allreduce", ct, params) if params["transpose_sums"]
+        ALLREDUCE.run(ct, params) if params["transpose_sums"]
         else pvary_p.bind(ct, comm=params["comm"], size=params["size"])),
-    reduction_jvp=_reduction_jvp("allreduce"),
+    reduction_jvp=lambda x, y, t, params: _reduction_tangent(ALLREDUCE, x, y, t, params),
     reduces=True,
     in_place=True,
     replicates=True,
 ))
 
+
+def _pvary_transpose(ct, x, *, comm, size):
+    """pvary's transpose: the sum over ranks (the allreduce pvary transposes back to)."""
+    if type(ct) is _compat.Zero:
+        return [_compat.zero_tangent(x.aval)]
+    return [ALLREDUCE.run(ct, dict(comm=comm, size=size, root=0, op=_SUM,
+                                   transpose_sums=False))]
+
+
+_compat.register_transpose(pvary_p, _pvary_transpose)
+
 # gather: the stack by rank on root, zeros elsewhere.
 GATHER = define(Collective(
     "gather",
     out_shape=lambda shape, params: (params["size"], *shape),
-    transpose=lambda ct, params: _run("scatter", ct, params),
+    transpose=lambda ct, params: SCATTER.run(ct, params),
     has_root=True,
 ))
 
@@ -107,7 +116,7 @@ ALLGATHER = define(Collective(
     "allgather",
     out_shape=lambda shape, params: (params["size"], *shape),
     transpose=lambda ct, params: (
-        _run("allreduce", ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
+        ALLREDUCE.run(ct, params, op=_SUM) if params["transpose_sums"] else ct)[_rank(params)],
     replicates=True,
 ))
 
@@ -119,7 +128,7 @@ ALLGATHER = define(Collective(
 ALLTOALL = define(Collective(
     "alltoall",
     out_shape=lambda shape, params: shape,
-    transpose=lambda ct, params: _run("alltoall", ct, params),
+    transpose=lambda ct, params: ALLTOALL.run(ct, params),
     leading_axis_is_size=True,
 ))
 
@@ -130,7 +139,7 @@ ALLTOALL = define(Collective(
 REDUCE_SCATTER = define(Collective(
     "reduce_scatter",
     out_shape=lambda shape, params: shape[1:],
-    transpose=lambda ct, params: _run("allgather", ct, params, op=-1, transpose_sums=True),
+    transpose=lambda ct, params: ALLGATHER.run(ct, params, op=-1, transpose_sums=True),
     reduces=True,
     leading_axis_is_size=True,
 ))
@@ -138,7 +147,7 @@ REDUCE_SCATTER = define(Collective(
 
 def _total(ct, params):
     """The sum of ct over ranks, as a per-rank value (its transpose sums too)."""
-    return _run("allreduce", ct, params, op=_SUM, transpose_sums=True)
+    return ALLREDUCE.run(ct, params, op=_SUM, transpose_sums=True)
 
 
 # scan / exscan: inclusive / exclusive prefix reductions in rank order (exscan
@@ -149,7 +158,7 @@ def _total(ct, params):
 SCAN = define(Collective(
     "scan",
     out_shape=lambda shape, params: shape,
-    transpose=lambda ct, params: _total(ct, params) - _run("exscan", ct, params),
+    transpose=lambda ct, params: _total(ct, params) - EXSCAN.run(ct, params),
     reduces=True,
     in_place=True,
 ))
@@ -157,7 +166,7 @@ SCAN = define(Collective(
 EXSCAN = define(Collective(
     "exscan",
     out_shape=lambda shape, params: shape,
-    transpose=lambda ct, params: _total(ct, params) - _run("scan", ct, params),
+    transpose=lambda ct, params: _total(ct, params) - SCAN.run(ct, params),
     reduces=True,
     in_place=True,
 ))

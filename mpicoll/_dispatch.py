@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from . import _compat, _primitive, _spec, _types, _typing, _validate, comm as comm_layer, overlap
+from . import _compat, _primitive, _types, _typing, _validate, comm as comm_layer, overlap
 from ._device_order import after_pending_programs
 
 
@@ -40,7 +40,7 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     x, params = _typing.typed_input(x, info), _typing.typed_params(params)
     if overlap.active() if overlapped is None else overlapped:
         params["overlapped"] = True
-    return _spec.PRIMITIVES[spec.name].bind(x, **params, ordered=ordered, alias=alias)
+    return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
 
 
 # Eager calls: one compiled program per (collective, communicator slot, root, op,
@@ -69,7 +69,7 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     if program is None:
         info = info or comm_layer.resolve(None, spec.name)
         x, params = _validate.validated_params(spec, x, info, root, op, transpose_sums, static)
-        program = _eager_program(spec.name, tuple(params.items()))
+        program = _eager_program(spec, tuple(params.items()))
         if cacheable:
             _EAGER_PROGRAMS[key] = program
     return program, x
@@ -100,9 +100,9 @@ def run_eagerly(program, x):
 
 
 @functools.lru_cache(maxsize=None)
-def _eager_program(name, params):
-    primitive = _spec.PRIMITIVES[name]
-    return jax.jit(functools.partial(primitive.bind, **dict(params), ordered=False, alias=False))
+def _eager_program(spec, params):
+    return jax.jit(functools.partial(spec.primitive.bind, **dict(params), ordered=False,
+                                     alias=False))
 
 
 # ---------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
                                                kwargs.get("root", 0), kwargs.get("op"), False)
         if overlapped:
             params["overlapped"] = True
-        outs = _spec.FUSED_PRIMITIVES[spec.name].bind(
+        outs = spec.fused.bind(
             *(_typing.typed_input(leaves[i], kwargs["comm"]) for i in indices),
             **_typing.typed_params(params),
             ordered=ordered, alias=alias)

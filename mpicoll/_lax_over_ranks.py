@@ -399,8 +399,24 @@ def _in_groups(name, who, groups):
 
 
 
-_MAPPED = {*_REDUCTIONS, "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",
-           "ppermute", "pbroadcast"}
+# lax.parallel's primitive -> its answer over participants that span ranks,
+# (x, who, the primitive's params) -> the result.
+_ROUTES = {
+    **{name: (lambda x, who, params, op=op: _allreduce(x, op, who))
+       for name, op in _REDUCTIONS.items()},
+    "all_gather": lambda x, who, params: _all_gather(
+        x, who, all_gather_dimension=params["all_gather_dimension"], tiled=params["tiled"],
+        invariant=False),
+    "all_gather_invariant": lambda x, who, params: _all_gather(
+        x, who, all_gather_dimension=params["all_gather_dimension"], tiled=params["tiled"],
+        invariant=True),
+    "reduce_scatter": lambda x, who, params: _psum_scatter(
+        x, who, scatter_dimension=params["scatter_dimension"], tiled=params["tiled"]),
+    "all_to_all": lambda x, who, params: _all_to_all(
+        x, who, split_axis=params["split_axis"], concat_axis=params["concat_axis"]),
+    "ppermute": lambda x, who, params: _ppermute(x, who, perm=params["perm"]),
+    "pbroadcast": lambda x, who, params: _pbroadcast(x, who, source=params["source"]),
+}
 _UNMAPPED = (
     "jax.lax.{name} over {axes!r} has no MPI form in mpicoll: across processes use "
     "psum/pmean/pmax/pmin, all_gather, psum_scatter, all_to_all, ppermute, pbroadcast, "
@@ -459,26 +475,14 @@ def _route(name, args, params):
     who = _participants(name, axes)
     if who is None:
         return NotImplemented
-    if name not in _MAPPED:
+    route = _ROUTES.get(name)
+    if route is None:
         raise NotImplementedError(_UNMAPPED.format(name=name, axes=axes))
     who.axes = axes
     if params.get("axis_index_groups") is not None:
         who = _in_groups(name, who, params["axis_index_groups"])
     x, = args
-    if name in _REDUCTIONS:
-        return _allreduce(x, _REDUCTIONS[name], who)
-    if name in ("all_gather", "all_gather_invariant"):
-        return _all_gather(x, who, all_gather_dimension=params["all_gather_dimension"],
-                           tiled=params["tiled"], invariant=name == "all_gather_invariant")
-    if name == "reduce_scatter":
-        return _psum_scatter(x, who, scatter_dimension=params["scatter_dimension"],
-                             tiled=params["tiled"])
-    if name == "all_to_all":
-        return _all_to_all(x, who, split_axis=params["split_axis"],
-                           concat_axis=params["concat_axis"])
-    if name == "ppermute":
-        return _ppermute(x, who, perm=params["perm"])
-    return _pbroadcast(x, who, source=params["source"])
+    return route(x, who, params)
 
 
 _compat.size_axis(RANKS, lambda: _typing.world().size)

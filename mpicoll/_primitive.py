@@ -331,7 +331,6 @@ def define(spec):
                              f"extension's row {row}")
     assert spec.name not in _spec.SPECS, f"{spec.name} is defined twice"
     _spec.SPECS[spec.name] = spec
-    _spec.PRIMITIVES[spec.name] = single = _single_array_primitive(spec)
-    if spec.family == "blocks":
-        _spec.FUSED_PRIMITIVES[spec.name] = _fused_primitive(spec, single)
+    single = _single_array_primitive(spec)
+    spec.owns(single, _fused_primitive(spec, single) if spec.family == "blocks" else None)
     return spec

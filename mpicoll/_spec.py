@@ -1,4 +1,5 @@
-"""What a collective is: a `Collective` spec, and the registry of every spec and its primitives.
+"""What a collective is: a `Collective` spec (which owns its primitives), the registry
+of every spec, and the docstring filler of the public functions.
 
 A spec gives what differs between collectives (the output shape rule, whether
 it takes a root and a reduction op, its vmap and autodiff hooks); one mechanism
@@ -12,7 +13,7 @@ the two agree.
 import dataclasses
 from typing import Callable
 
-from . import comm as comm_layer
+from . import _compat, comm as comm_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,23 +56,46 @@ class Collective:
     reduction_jvp: Callable = None
     not_differentiable: str = None
     replicates: bool = False  # the output is identical on every rank of comm
+    # Set once by _primitive.define: the primitive of one array, and (blocks
+    # family) the fused one of n arrays of one dtype in one message.
+    primitive: object = dataclasses.field(default=None, compare=False, repr=False)
+    fused: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def target(self):
         return f"mpicoll_{self.name}"
 
+    def run(self, x, params, **changes):
+        """Bind this collective with params (for rules that call another collective)."""
+        return self.primitive.bind(x, **{**params, **changes, "ordered": True, "alias": True})
 
-# name -> spec, and the primitives _primitive.define made for it.
+    def owns(self, primitive, fused=None):
+        """Record the primitives _primitive.define made for this spec (once)."""
+        assert self.primitive is None, f"{self.name} is defined twice"
+        object.__setattr__(self, "primitive", primitive)  # frozen: set once, here
+        object.__setattr__(self, "fused", fused)
+
+
+# name -> spec, for the checks against the extension's table (csrc/ops.def); code
+# reaches a collective through its spec object, never by name.
 SPECS = {}
-PRIMITIVES = {}
-FUSED_PRIMITIVES = {}  # the blocks family: n arrays of one dtype in one message
-
-
-def run(name, x, params, **changes):
-    """Bind collective `name` with params (used by rules that call other collectives)."""
-    return PRIMITIVES[name].bind(x, **{**params, **changes, "ordered": True, "alias": True})
 
 
 def rank(params):
     """This process's rank in the communicator of a primitive's params."""
     return comm_layer.info_for_slot(params["comm"]).rank
+
+
+def documented(fields, *, boundary=True):
+    """A decorator completing a public function's docstring with what its family
+    has in common: each {field} of `fields` replaced by its text, then {name} by
+    the function's name, and {{ }} unescaped.  With boundary, an error raised
+    inside shows the caller's frames, not mpicoll's (as JAX's own API does)."""
+    def fill(function):
+        doc = function.__doc__
+        for field, text in fields.items():
+            doc = doc.replace("{" + field + "}", text)
+        function.__doc__ = (doc.replace("{name}", function.__name__)
+                            .replace("{{", "{").replace("}}", "}"))
+        return _compat.api_boundary(function) if boundary else function
+    return fill

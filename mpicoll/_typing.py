@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _settings, _spec, _types, comm as comm_layer
+from . import _compat, _settings, comm as comm_layer
 
 RANKS = "mpicoll.RANKS"
 
@@ -112,7 +112,8 @@ def _spans_all_ranks(params):
 # pvary: identity on the value; its cotangent is summed over ranks.  Apply it
 # to a replicated value (e.g. parameters) before using it rank-dependently, so
 # that the gradient collects every rank's contribution (as shard_map does).
-# No MPI call: the identity's lowering is its input.
+# No MPI call: the identity's lowering is its input.  Its transpose, the
+# allreduce, is registered beside the allreduce (_blocks.py).
 
 pvary_p = Primitive("mpicoll_pvary")
 pvary_p.def_impl(lambda x, **params: x)
@@ -125,20 +126,6 @@ _compat.register_batching(pvary_p, lambda args, dims, **params: (pvary_p.bind(*a
 _compat.register_jvp(pvary_p, lambda primals, tangents, **params: (
     pvary_p.bind(*primals, **params),
     tangents[0] if type(tangents[0]) is _compat.Zero else pvary_p.bind(tangents[0], **params)))
-
-
-def _sum_over(ct, comm, size):
-    return _spec.run("allreduce", ct, dict(comm=comm, size=size, root=0, op=_types.SUM,
-                                           transpose_sums=False))
-
-
-def _pvary_transpose(ct, x, *, comm, size):
-    if type(ct) is _compat.Zero:
-        return [_compat.zero_tangent(x.aval)]
-    return [_sum_over(ct, comm, size)]
-
-
-_compat.register_transpose(pvary_p, _pvary_transpose)
 
 
 def cast_per_rank(x, info=None):

@@ -10,7 +10,7 @@ point-to-point in p2p.py.
 
 import jax
 
-from . import _blocks, _compat, _ranks_devices, _types, _typing, comm as comm_layer
+from . import _blocks, _compat, _ranks_devices, _spec, _types, _typing, comm as comm_layer
 from ._dispatch import collective
 from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
 from ._validate import as_array, each_leaf
@@ -58,16 +58,8 @@ _NO_AXIS_NAME = """NotImplementedError: for axis_name (no global form), naming w
             use instead."""
 
 
-def _contract(function):
-    """The docstring completed with what every collective has in common; an error
-    raised inside shows the caller's frames, not mpicoll's (as JAX's own API does)."""
-    doc = function.__doc__
-    for field, text in (("{x}", _X), ("{comm}", _COMM), ("{ops}", _OPS),
-                        ("{raises}", _RAISES), ("{rules}", _RULES),
-                        ("{no_axis_name}", _NO_AXIS_NAME)):
-        doc = doc.replace(field, text)
-    function.__doc__ = doc.replace("{{", "{").replace("}}", "}")
-    return _compat.api_boundary(function)
+_contract = _spec.documented({"x": _X, "comm": _COMM, "ops": _OPS, "raises": _RAISES,
+                              "rules": _RULES, "no_axis_name": _NO_AXIS_NAME})
 
 
 @_contract

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from . import _native, _typing, _validate, api, comm as comm_layer, p2p
+from . import _native, _spec, _typing, _validate, api, comm as comm_layer, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
 
@@ -92,14 +92,8 @@ _RAISES_PEER = """RuntimeError: for token= (pre-0.8 code), saying how to write t
             not an intracommunicator."""
 
 
-def _contract(function):
-    name = function.__name__
-    doc = function.__doc__
-    for field, text in (("{comm}", _COMM), ("{token}", _TOKEN), ("{op}", _OP),
-                        ("{raises}", _RAISES), ("{raises_peer}", _RAISES_PEER)):
-        doc = doc.replace(field, text)
-    function.__doc__ = doc.replace("{name}", name)
-    return function
+_contract = _spec.documented({"comm": _COMM, "token": _TOKEN, "op": _OP, "raises": _RAISES,
+                              "raises_peer": _RAISES_PEER}, boundary=False)
 
 
 def has_cuda_support():

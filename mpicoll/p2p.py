@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat, _spec, _types, _validate
+from . import _compat, _types, _validate
 from ._dispatch import bind
 from ._primitive import define, effectful_primitive, mpi_effect, ordered_ffi_call
 from ._spec import Collective
@@ -108,8 +108,8 @@ def _reverse_sendrecv(ct, params):
                                   "ANY_SOURCE (the reverse message needs a definite dest)")
     # The reverse receive takes any tag from the (definite) reverse source.
     reverse = (dest, source, recvtag if recvtag != ANY_TAG else sendtag, ANY_TAG)
-    return _spec.run("sendrecv", ct, params, ffi_args=reverse,
-                            recv_shape=params["send_shape"], send_shape=params["recv_shape"])
+    return SENDRECV.run(ct, params, ffi_args=reverse, recv_shape=params["send_shape"],
+                        send_shape=params["recv_shape"])
 
 
 def _not_linear(ct, params):

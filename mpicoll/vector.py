@@ -18,10 +18,10 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _types
+from . import _blocks, _spec, _types
 from ._dispatch import bind
 from ._primitive import define
-from ._spec import Collective, rank as _rank, run as _run
+from ._spec import Collective, rank as _rank
 
 _INT_MAX = 2**31 - 1
 
@@ -110,7 +110,7 @@ def _batch(x, dim, params):
 def _own_slice(ct, params):
     """Rank r's rows of an allgatherv output (with transpose_sums, of the sum over ranks)."""
     if params["transpose_sums"]:
-        ct = _run("allreduce", ct, params, op=_types.SUM, ffi_args=())
+        ct = _blocks.ALLREDUCE.run(ct, params, op=_types.SUM, ffi_args=())
     counts, rank = _counts(params), _rank(params)
     start = sum(counts[:rank])
     return ct[start:start + counts[rank]]
@@ -118,11 +118,10 @@ def _own_slice(ct, params):
 
 def _swap_counts(ct, params):
     args, size = params["ffi_args"], params["size"]
-    return _run("alltoallv", ct, params,
-                            ffi_args=(args[0], *args[1 + size:], *args[1:1 + size]))
+    return ALLTOALLV.run(ct, params, ffi_args=(args[0], *args[1 + size:], *args[1:1 + size]))
 
 
-def _spec(name, out_rows, transpose, check, **flags):
+def _vector_collective(name, out_rows, transpose, check, **flags):
     return define(Collective(
         name,
         out_shape=lambda shape, params: (out_rows(params), *shape[1:]),
@@ -134,21 +133,21 @@ def _spec(name, out_rows, transpose, check, **flags):
 
 
 # gatherv: root gets every rank's rows in rank order, zeros elsewhere.
-GATHERV = _spec("gatherv", lambda p: sum(_counts(p)),
-                lambda ct, params: _run("scatterv", ct, params),
+GATHERV = _vector_collective("gatherv", lambda p: sum(_counts(p)),
+                lambda ct, params: SCATTERV.run(ct, params),
                 _check_own("gatherv"), has_root=True)
 # allgatherv: every rank gets every rank's rows (one value); the transpose is
 # the rank's own rows, as for allgather.
-ALLGATHERV = _spec("allgatherv", lambda p: sum(_counts(p)), _own_slice,
+ALLGATHERV = _vector_collective("allgatherv", lambda p: sum(_counts(p)), _own_slice,
                    _check_own("allgatherv"), replicates=True)
 # scatterv: rank r gets root's rows of block r (counts[r] rows).
-SCATTERV = _spec("scatterv", lambda p: _counts(p)[_rank(p)],
-                 lambda ct, params: _run("gatherv", ct, params),
+SCATTERV = _vector_collective("scatterv", lambda p: _counts(p)[_rank(p)],
+                 lambda ct, params: GATHERV.run(ct, params),
                  _check_scatterv, has_root=True)
 # alltoallv: rank r sends send_counts[j] rows to rank j and receives
 # recv_counts[j] rows from rank j, stored in rank order; the transpose sends
 # them back (counts swapped).
-ALLTOALLV = _spec("alltoallv", lambda p: sum(p["ffi_args"][1 + p["size"]:]), _swap_counts,
+ALLTOALLV = _vector_collective("alltoallv", lambda p: sum(p["ffi_args"][1 + p["size"]:]), _swap_counts,
                   _check_alltoallv)
 
 
@@ -183,16 +182,10 @@ _RULES = """Blocks are stored contiguously in rank order (the displacements
         and no axis_name form.  One MPI call moves the whole buffers."""
 
 
-def _contract(function):
-    """The docstring completed with what the four have in common; errors show the
-    caller's frames (as JAX's own API does)."""
-    doc = function.__doc__
-    for field, text in (("{x}", _X_ROWS), ("{comm}", _COMM), ("{raises}", _RAISES),
-                        ("{rules}", _RULES)):
-        doc = doc.replace(field, text)
-    function.__doc__ = doc.replace("{own_rows:counts}", _OWN_ROWS.format(rows="counts[rank]")) \
-        .replace("{own_rows:send_counts}", _OWN_ROWS.format(rows="sum(send_counts)"))
-    return _compat.api_boundary(function)
+_contract = _spec.documented({
+    "x": _X_ROWS, "comm": _COMM, "raises": _RAISES, "rules": _RULES,
+    "own_rows:counts": _OWN_ROWS.format(rows="counts[rank]"),
+    "own_rows:send_counts": _OWN_ROWS.format(rows="sum(send_counts)")})
 
 
 @_contract

@@ -268,7 +268,7 @@ def test_mpi_error_is_raised_naming_op_rank_comm_and_mpi_error():
     solver.Set_name("solver")
     try:
         info = comm_layer.resolve(solver, "test")
-        bad = jax.jit(lambda x: _spec.PRIMITIVES["bcast"].bind(
+        bad = jax.jit(lambda x: _spec.SPECS["bcast"].primitive.bind(
             x, comm=info.slot, size=info.size, root=info.size + 3, op=-1, transpose_sums=False,
             ordered=True, alias=True))
         with pytest.raises(Exception) as caught:
