@@ -11,6 +11,7 @@ the two agree.
 """
 
 import dataclasses
+import textwrap
 from typing import Callable
 
 from . import _compat, comm as comm_layer
@@ -84,6 +85,14 @@ SPECS = {}
 def rank(params):
     """This process's rank in the communicator of a primitive's params."""
     return comm_layer.info_for_slot(params["comm"]).rank
+
+
+def paragraph(text):
+    """text as a docstring field's paragraph: wrapped, its lines after the first
+    indented under the field (Google style, as napoleon reads it)."""
+    indent = " " * 12
+    return textwrap.fill(" ".join(text.split()), 84, initial_indent=indent,
+                         subsequent_indent=indent).lstrip()
 
 
 def documented(fields, *, boundary=True):

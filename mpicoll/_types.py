@@ -2,8 +2,9 @@
 
 The C++ side maps each dtype to its MPI datatype and each op code to its MPI_Op
 (float16/bfloat16 reductions use native user-defined operators, since MPI has
-no 16-bit float types); the ops, their codes and valid dtype families come from
-the extension's table.
+no 16-bit float types); the dtypes and their families, the ops, their codes and
+valid dtype families come from the extension's tables (csrc/dtypes.def,
+csrc/reduce_ops.def).
 """
 
 import jax.numpy as jnp
@@ -18,14 +19,23 @@ INTEGER = "integer"
 FLOATING = "floating"
 COMPLEX = "complex"
 
-# The dtypes mpicoll supports, by family.
-DTYPE_FAMILIES = {
-    np.dtype(np.bool_): BOOL,
-    **{np.dtype(t): INTEGER for t in (np.int8, np.int16, np.int32, np.int64,
-                                      np.uint8, np.uint16, np.uint32, np.uint64)},
-    **{np.dtype(t): FLOATING for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)},
-    **{np.dtype(t): COMPLEX for t in (np.complex64, np.complex128)},
-}
+# The dtypes mpicoll supports, by family, from the extension's table
+# (csrc/dtypes.def): the one list of them.  bfloat16 is ml_dtypes' numpy type.
+def _numpy_dtype(name):
+    try:
+        return np.dtype(name)
+    except TypeError:  # not numpy's own: bfloat16
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+DTYPE_FAMILIES = {_numpy_dtype(name): family for name, family in extension.dtypes().items()}
+assert set(DTYPE_FAMILIES.values()) <= {BOOL, INTEGER, FLOATING, COMPLEX}, \
+    "the extension names an unknown dtype family"
+
+
+def dtype_names():
+    """The supported dtypes as prose for docstrings and errors: "bool, int8, ..."."""
+    return ", ".join(str(dtype) for dtype in DTYPE_FAMILIES)
 
 # The reduction ops, their codes and the dtype families each is defined for,
 # from the extension's table (csrc/reduce_ops.def): the one list of them.

@@ -19,11 +19,10 @@ from ._validate import as_array, each_leaf
 # What every rank-block collective has in common, put into each docstring by
 # _contract ({x}, {comm}, {raises}, {rules}), so that help() and the API page show
 # the whole contract of each function, in napoleon's Google style.
-_X = """An array (jax or numpy), a Python scalar, or a pytree of them
-            (each leaf as if alone; small leaves of one dtype travel in one
-            message; the result has the tree's structure).  Dtypes: bool,
-            int8-64, uint8-64, float16, bfloat16, float32, float64, complex64,
-            complex128 (64-bit ones need jax_enable_x64)."""
+_X = _spec.paragraph(
+    "An array (jax or numpy), a Python scalar, or a pytree of them (each leaf as if "
+    "alone; small leaves of one dtype travel in one message; the result has the tree's "
+    f"structure).  Dtypes: {_types.dtype_names()} (64-bit ones need jax_enable_x64).")
 
 _COMM = """an mpi4py intracommunicator (COMM_WORLD, a Dup(), Split(),
             Create_cart() ...); None (the default) means MPI.COMM_WORLD.

@@ -152,10 +152,10 @@ ALLTOALLV = _vector_collective("alltoallv", lambda p: sum(p["ffi_args"][1 + p["s
 
 
 # What the four have in common, put into each docstring by _contract.
-_X_ROWS = """One array (not a pytree) of a supported dtype (those of
-            allreduce: bool, int8-64, uint8-64, float16, bfloat16, float32,
-            float64, complex64, complex128), with a leading axis of rows; the
-            rest of the shape, s, and the dtype are the same on every rank."""
+_X_ROWS = _spec.paragraph(
+    f"One array (not a pytree) of a supported dtype ({_types.dtype_names()}), with a "
+    "leading axis of rows; the rest of the shape, s, and the dtype are the same on every "
+    "rank.")
 
 _COMM = """an mpi4py intracommunicator; None (the default) means
             MPI.COMM_WORLD."""

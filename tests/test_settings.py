@@ -127,6 +127,17 @@ def test_every_collective_of_the_extension_has_one_spec_that_agrees_with_its_row
         assert bool(native[name]["rooted"]) == spec.has_root, name
 
 
+def test_the_dtype_table_is_the_extensions_and_every_docstring_lists_it():
+    import mpicoll
+    from mpicoll import _types
+    assert [str(d) for d in _types.DTYPE_FAMILIES] == list(extension.dtypes())
+    for name in ("bfloat16", "complex128", "uint64", "bool"):
+        assert name in extension.dtypes()
+    listed = " ".join(mpicoll.allreduce.__doc__.split())
+    assert _types.dtype_names() in listed, "allreduce's docstring lists the dtypes"
+    assert _types.dtype_names() in " ".join(mpicoll.gatherv.__doc__.split())
+
+
 def test_a_spec_the_extension_does_not_know_is_refused():
     from mpicoll._primitive import define
     unknown = _spec.Collective("allmean", out_shape=lambda shape, params: shape,

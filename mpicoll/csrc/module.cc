@@ -239,6 +239,20 @@ PyObject* ReductionOps(PyObject*, PyObject*) {
   return ops;
 }
 
+// dtypes.def as Python data: numpy's name -> the dtype family (in the table's order).
+PyObject* Dtypes(PyObject*, PyObject*) {
+  PyObject* dtypes = PyDict_New();
+#define MPICOLL_DTYPE_ROW(xla, name, mpi, family)                          \
+  if (dtypes) {                                                            \
+    PyObject* text = PyUnicode_FromString(family);                         \
+    if (!text || PyDict_SetItemString(dtypes, name, text) < 0) Py_CLEAR(dtypes); \
+    Py_XDECREF(text);                                                      \
+  }
+  MPICOLL_DTYPES(MPICOLL_DTYPE_ROW)
+#undef MPICOLL_DTYPE_ROW
+  return dtypes;
+}
+
 const char* FamilyName(Family family) {
   switch (family) {
     case kBlocks: return "blocks";
@@ -433,6 +447,8 @@ PyMethodDef methods[] = {
     {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
     {"reduction_ops", ReductionOps, METH_NOARGS,
      "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},
+    {"dtypes", Dtypes, METH_NOARGS,
+     "numpy dtype name -> its family (bool, integer, floating, complex), from dtypes.def."},
     {"collectives", Collectives, METH_NOARGS,
      "Collective name -> its row of ops.def (family, reduces, rooted, blocks_in, ...)."},
     {"_run_staged_on_host", RunStagedOnHostPy, METH_VARARGS,
