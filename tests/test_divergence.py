@@ -121,15 +121,17 @@ def test_a_rank_that_never_reaches_the_first_collective_is_named(ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("case", ["check-shape", "swapped-alike", "late-check"])
+@pytest.mark.parametrize("case", ["check-shape", "swapped-alike", "late-check", "slow-check"])
 def test_checks_raise_the_mismatch_on_every_rank(ranks, case):
     """MPICOLL_CHECK=1: a different shape, and two alike programs called in swapped
     order (their call sites differ), raise the mismatch on every rank: JaxRuntimeError,
     or ValueError on a rank that ran its program from JAX's cache (jit's C++ fast path,
     jax-ml/jax#34083; docs/failures.md).  By default (first-run checks): two
     ranks comparing different new calls while a third comes late are no divergence
-    for the watchdog, whose probe sees them (their checks meet and raise)."""
-    result = _run(ranks, case, **({} if case == "late-check" else {"MPICOLL_CHECK": "1"}))
+    for the watchdog, whose probe sees them (their checks meet and raise); nor is a
+    rank still in a comparison the others have finished (slow-check)."""
+    result = _run(ranks, case, **({} if case.endswith("late-check") or case == "slow-check"
+                                  else {"MPICOLL_CHECK": "1"}))
     _ended_in_seconds(result, (0,))
     raised = re.findall(r"rank (\d): raised (\w+): (.*)", result.stdout)
     assert sorted(int(r) for r, _, _ in raised) == list(range(ranks)), result.summary()

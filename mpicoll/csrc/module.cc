@@ -369,6 +369,14 @@ PyObject* PairwiseReduceScatterSizes(PyObject*, PyObject* args) {
   return Py_BuildValue("(KK)", old_min, old_segment);
 }
 
+// Test only: seconds to wait after a comparison that found a mismatch (see guard.h).
+PyObject* PauseAfterMismatch(PyObject*, PyObject* args) {
+  double seconds = 0;
+  if (!PyArg_ParseTuple(args, "d", &seconds)) return nullptr;
+  pause_after_mismatch.store(seconds);
+  Py_RETURN_NONE;
+}
+
 PyObject* ComparisonsMade(PyObject*, PyObject*) {
   return PyLong_FromLongLong(comparisons_made.load());
 }
@@ -451,6 +459,8 @@ PyMethodDef methods[] = {
      "numpy dtype name -> its family (bool, integer, floating, complex), from dtypes.def."},
     {"collectives", Collectives, METH_NOARGS,
      "Collective name -> its row of ops.def (family, reduces, rooted, blocks_in, ...)."},
+    {"_pause_after_mismatch", PauseAfterMismatch, METH_VARARGS,
+     "Test only: seconds this rank waits after a comparison that found a mismatch."},
     {"_run_staged_on_host", RunStagedOnHostPy, METH_VARARGS,
      "Test only: (collective, comm handle, dtype, x, out, root, op, chunk bytes) runs the GPU "
      "staging pipeline on host arrays."},

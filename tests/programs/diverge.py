@@ -23,6 +23,9 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
   late-check    every rank calls the step at a new shape, the odd rank at another one;
                 at 3+ ranks rank 0 comes 1.5 s late, while the others compare their
                 calls: every rank raises the mismatch (the job goes on)
+  slow-check    as late-check, but rank 0 stays 1.5 s in its comparison after it
+                ended (as a descheduled rank would), while the others have raised and
+                moved on: every rank raises the mismatch (the job goes on)
 
 Each rank prints `rank R: returned VALUES` for a value it got (`WRONG` if it is
 not what numpy says its program computes), or `rank R: raised TYPE: FIRST LINE`
@@ -112,11 +115,15 @@ elif CASE == "exit-mid":
     returned(step(warm), 2.0 * SIZE * np.ones(4))
 elif CASE == "baseline":  # no divergence: the warm-up alone (benchmarks/divergence.py)
     pass
-elif CASE in ("check-shape", "late-check"):
+elif CASE in ("check-shape", "late-check", "slow-check"):
     try:
-        n = {"check-shape": 5 if ODD else 4, "late-check": 7 if ODD else 6}[CASE]
+        n = {"check-shape": 5 if ODD else 4, "late-check": 7 if ODD else 6,
+             "slow-check": 9 if ODD else 8}[CASE]
         if CASE == "late-check" and RANK == 0 and not ODD:
             time.sleep(1.5)
+        if CASE == "slow-check" and RANK == 0:
+            from mpicoll.runtime.native import extension
+            extension._pause_after_mismatch(1.5)
         returned(step(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
     except Exception as error:  # every rank: the same type
         say(f"raised {type(error).__name__}: {str(error).splitlines()[0]}")

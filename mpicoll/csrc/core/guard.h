@@ -275,6 +275,7 @@ inline const int64_t process_start_ns = NowNs();
 struct CommCounter {
   std::atomic<uint64_t> sequence{0};
   std::atomic<const CallFacts*> last{nullptr};
+  std::atomic<uint64_t> checked{0};  // the last call whose comparison across ranks ended
   std::atomic<int64_t> used_ns{0};
   const CommIdentity* identity = nullptr;
 };
@@ -303,6 +304,7 @@ inline CommCounter& CounterOf(int32_t device, int64_t comm_key, MPI_Comm comm) {
 // call, queued when it starts).
 struct InFlightScope {
   InFlight* slot = nullptr;
+  CommCounter* counter = nullptr;  // the call's communicator's, on this device
   FlightRecord* record = nullptr;
   uint64_t sequence = 0;
   bool failed = false;  // set by the caller when the collective returns an error
@@ -316,6 +318,7 @@ struct InFlightScope {
     slot->facts.store(facts, std::memory_order_relaxed);
     slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
     CommCounter& counter = CounterOf(device, c.comm_key, c.comm);
+    this->counter = &counter;
     const int64_t now = NowNs();
     // A point-to-point call (collective=false) involves two ranks of the
     // communicator only: it takes no sequence number (0), or the members'
@@ -364,6 +367,17 @@ inline std::string CheckedCallText(const Call& c, const CheckPlan& plan,
   return site.empty() ? text : text + ", called at " + site;
 }
 
+// Test only (extension._pause_after_mismatch): seconds this rank waits after a
+// comparison that found a mismatch, still in the checking phase, as a rank
+// descheduled there would: the others finish theirs and move on first.
+inline std::atomic<double> pause_after_mismatch{0.0};
+inline void PauseAfterMismatchForTests(const std::string& mismatch) {
+  const double seconds = pause_after_mismatch.load(std::memory_order_relaxed);
+  if (!mismatch.empty() && seconds > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+}
+
 // The check before a call (see CheckMode).  Internal, like every error a
 // running collective returns, so that JAX raises one type (JaxRuntimeError)
 // whichever path dispatched the program.
@@ -374,7 +388,9 @@ inline ffi::Error CheckSameCall(const Call& c, int32_t device, const CheckPlan& 
   std::string mismatch = CompareAcrossRanks(
       CheckComm(c), CommName(c.comm), c.rank, c.size, Fingerprint(plan, watched),
       [&] { return CheckedCallText(c, plan, watched); });
+  PauseAfterMismatchForTests(mismatch);
   watched.slot->phase.store(kPhaseRunning, std::memory_order_relaxed);
+  watched.counter->checked.store(watched.sequence, std::memory_order_relaxed);
   if (!mismatch.empty()) return ffi::Error::Internal(mismatch);
   MarkAgreed(c, device, plan.facts);
   return ffi::Error::Success();

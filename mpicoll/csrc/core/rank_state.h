@@ -178,7 +178,7 @@ struct CallState {
   int32_t phase = kPhaseDone;
   int32_t device = -1;
   int32_t asker_is_member = 0;  // the rank that asked is a member of the communicator
-  int32_t unused = 0;
+  int32_t checked = 0;  // not in a call: its last one's comparison across ranks ended
   double seconds = 0;      // in the call so far
   char comm[48] = {};      // the user's name of the communicator
   char call[112] = {};     // e.g. allreduce(float32[4], op=sum)
@@ -293,6 +293,7 @@ inline CallState LastState(int device, const CommCounter& counter) {
   s.comm_hash = CommHash(counter.identity);
   s.sequence = counter.sequence.load(std::memory_order_relaxed);
   s.call_hash = last ? last->hash : 0;
+  s.checked = s.sequence != 0 && counter.checked.load(std::memory_order_relaxed) == s.sequence;
   s.device = device;
   Copy(s.comm, sizeof(s.comm), counter.identity ? UserCommName(counter.identity->name) : "?");
   Copy(s.call, sizeof(s.call), last ? last->description : "?");

@@ -173,6 +173,9 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
         // Both comparing their calls across the ranks: the checks meet on the
         // checks' communicator, and every rank raises the mismatch.
         if (on->phase == kPhaseChecking && w.phase == kPhaseChecking) continue;
+        // It has finished comparing this call, in a comparison this rank's is
+        // part of: the mismatch is raised on every rank as each returns from it.
+        if (on->phase == kPhaseDone && on->checked && w.phase == kPhaseChecking) continue;
         const bool one_checks = (on->phase == kPhaseChecking) != (w.phase == kPhaseChecking) &&
                                 on->phase != kPhaseDone;
         if (!same_call || one_checks) {
