@@ -50,7 +50,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll import _ranks_devices, _settings, topology  # noqa: E402
+from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
+from mpicoll.runtime import settings as _settings  # noqa: E402
+from mpicoll import topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -27,8 +27,8 @@ from jax import lax
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll import _settings
-from mpicoll._native import extension
+from mpicoll.runtime import settings as _settings
+from mpicoll.runtime.native import extension
 
 WORLD = MPI.COMM_WORLD
 MODES = ("off", "flight recorder", "timeline")

@@ -7,36 +7,25 @@ collectives in program order.
 
 __version__ = "0.1.0"
 
-from ._settings import current as _current_settings  # noqa: E402  (reads MPICOLL_*)
-from .api import (  # noqa: E402
-    allgather,
-    allreduce,
-    alltoall,
-    barrier,
-    bcast,
-    exscan,
-    gather,
-    pvary,
-    reduce,
-    reduce_scatter,
-    scan,
-    scatter,
-)
-from ._typing import RANKS, autodiff_mode, mesh, set_autodiff  # noqa: E402
-from ._device_order import dispatch_mode, set_dispatch  # noqa: E402
-from .p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E402
-from .vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
-from .comm import default_comm  # noqa: E402
+from .runtime.settings import current as _current_settings  # noqa: E402  (reads MPICOLL_*)
+from .ops.collectives import (  # noqa: E402
+    allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
+    scan, scatter)
+from .primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff  # noqa: E402
+from .primitive.device_order import dispatch_mode, set_dispatch  # noqa: E402
+from .ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E402
+from .ops.vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
+from .runtime.comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
-from .overlap import overlap  # noqa: E402
-from .failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
-from . import failures as _failures  # noqa: E402
-from ._native import thread_mode  # noqa: E402
-from . import _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
+from .primitive.overlap import overlap  # noqa: E402
+from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
+from .observe import failures as _failures  # noqa: E402
+from .runtime.native import thread_mode  # noqa: E402
+from .over_ranks import lax as _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
 
 # The settings the modules above do not apply themselves: abort on error, the
 # check mode and the timeout (autodiff and dispatch start from the settings in
-# _typing.py and _device_order.py).
+# primitive/varying.py and primitive/device_order.py).
 _failures.configure(_current_settings())
 
 # Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by

@@ -92,7 +92,8 @@ def _settings_report():
     import tempfile
 
     import mpicoll
-    from mpicoll import _settings, failures
+    from mpicoll.runtime import settings as _settings
+    from mpicoll.observe import failures
 
     settings, sources = _settings.current(), _settings.sources()
     # Those with a setter report their value now (a script may have changed it).
@@ -140,7 +141,7 @@ def _mpi_build_report():
     """This rank's view of the MPI builds: mpicoll's extension, mpi4py's library."""
     from mpi4py import MPI
 
-    from ._native import extension
+    from .runtime.native import extension
 
     built = extension.build_info()
     vendor, version = MPI.get_vendor()
@@ -187,7 +188,7 @@ def _gpu_report():
     """This rank's GPU view: the build's platforms, the CUDA driver, the transport."""
     import jax
 
-    from . import _native
+    from .runtime import native as _native
 
     try:
         gpus = [str(d) for d in jax.devices("cuda")]
@@ -277,7 +278,7 @@ def _format(reports):
     build_problems += gpu_problems
     settings_lines, settings_problems = _settings_lines(reports)
     build_problems += settings_problems
-    from ._native import extension
+    from .runtime.native import extension
     replaced = extension.replaced_sums()
     if replaced:
         lines.append(f"workaround:    this MPI's MPI_SUM saturates for {', '.join(replaced)} "
@@ -351,7 +352,7 @@ def _one_directory(argv, command):
 
 def flight(argv):
     """`flight DIR`: where the ranks' flight records diverge (exit 1 unless they agree)."""
-    from . import _records
+    from .observe import records as _records
 
     directory = _one_directory(argv, "flight")
     if directory is None:
@@ -367,7 +368,7 @@ def flight(argv):
 
 def trace(argv):
     """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
-    from . import _records
+    from .observe import records as _records
 
     directory = _one_directory(argv, "trace")
     if directory is None:
@@ -387,7 +388,7 @@ def run(argv):
     """Run a script or module (`-m name`) as __main__ with abort-on-error installed."""
     import runpy
 
-    from . import failures
+    from .observe import failures
 
     failures.install_abort_on_error()
     if argv[0] == "-m":

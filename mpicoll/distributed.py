@@ -12,7 +12,7 @@ multi-process API works (jax.devices() lists every process's devices,
 multihost_utils.process_allgather, global arrays), and mpicoll's collectives
 work beside it as before.  multihost_utils' process_allgather,
 broadcast_one_to_all, sync_global_devices and assert_equal then run on MPI
-through mpicoll (_multihost.py), not on JAX's gloo.
+through mpicoll (over_ranks/multihost.py), not on JAX's gloo.
 
 Shutdown: `jax.distributed.shutdown()` runs at exit, before MPI is finalized,
 after mpicoll's pending collectives; JAX bounds it by shutdown_timeout_seconds.
@@ -119,7 +119,8 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                process_id=world.Get_rank(), local_device_ids=local_device_ids,
                                **jax_arguments)
     _initialized = True
-    from . import _multihost  # noqa: PLC0415 -- imports mpicoll's collectives
+    from .over_ranks import (
+        multihost as _multihost)  # noqa: PLC0415 -- imports mpicoll's collectives
     _multihost.install()  # multihost_utils on MPI, not JAX's gloo
     # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
     # them: pending work completes, JAX shuts down, then MPI is finalized.

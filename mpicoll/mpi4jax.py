@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from . import _native, _spec, _typing, _validate, api, comm as comm_layer, p2p
+from .runtime import native as _native, comm as comm_layer
+from .primitive import spec as _spec, varying as _typing, validate as _validate
+from .ops import collectives as api, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
 

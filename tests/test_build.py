@@ -19,7 +19,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpicoll._native import extension
+from mpicoll.runtime.native import extension
 from conftest import serial_only
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_cuda_entry_points_compile(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# A load failure names its cause (mpicoll._native.load_error_message).
+# A load failure names its cause (mpicoll.runtime.native.load_error_message).
 
 @pytest.mark.parametrize("text, says", [
     ("/x/_mpicoll_ffi.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3MPI8Datatype4FreeEv",
@@ -165,7 +165,7 @@ def test_cuda_entry_points_compile(monkeypatch):
      ["missing or cannot load", "_ZNSt7__cxx11"]),  # not MPI's: no MPI diagnosis
 ])
 def test_load_error_message_names_the_cause(text, says):
-    from mpicoll._native import load_error_message
+    from mpicoll.runtime.native import load_error_message
 
     message = load_error_message(text)
     for part in says:

@@ -20,7 +20,8 @@ import pytest
 from jax._src.interpreters import pxla
 
 import mpicoll
-from mpicoll import _compat, _device_order, _primitive
+from mpicoll import _compat
+from mpicoll.primitive import device_order as _device_order, define as _primitive
 from conftest import (RANK, SIZE, WORLD, all_ranks_data, assert_in_step, assert_same,
                       run_mpiexec, serial_only)
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll import _native, _primitive
+from mpicoll.runtime import native as _native
+from mpicoll.primitive import define as _primitive
 from conftest import COLLECTIVES, SIZE, call, input_shape
 
 

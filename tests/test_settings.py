@@ -8,8 +8,10 @@ import sys
 import pytest
 
 import mpicoll
-from mpicoll import _ranks_devices, _settings, _spec, _types
-from mpicoll._native import extension
+from mpicoll.ops import ranks_devices as _ranks_devices
+from mpicoll.runtime import settings as _settings, dtypes as _types
+from mpicoll.primitive import spec as _spec
+from mpicoll.runtime.native import extension
 from conftest import serial_only
 
 
@@ -129,7 +131,7 @@ def test_every_collective_of_the_extension_has_one_spec_that_agrees_with_its_row
 
 def test_the_dtype_table_is_the_extensions_and_every_docstring_lists_it():
     import mpicoll
-    from mpicoll import _types
+    from mpicoll.runtime import dtypes as _types
     assert [str(d) for d in _types.DTYPE_FAMILIES] == list(extension.dtypes())
     for name in ("bfloat16", "complex128", "uint64", "bool"):
         assert name in extension.dtypes()
@@ -139,7 +141,7 @@ def test_the_dtype_table_is_the_extensions_and_every_docstring_lists_it():
 
 
 def test_a_spec_the_extension_does_not_know_is_refused():
-    from mpicoll._primitive import define
+    from mpicoll.primitive.define import define
     unknown = _spec.Collective("allmean", out_shape=lambda shape, params: shape,
                                transpose=lambda ct, params: ct, reduces=True)
     with pytest.raises(AssertionError, match="no collective 'allmean'"):

@@ -2,7 +2,7 @@
 
 The policy that uses them (when a program's MPI token starts inside it, the
 fences between single- and multi-device programs) is mpicoll's own, in
-_device_order.py; here is only what touches JAX's private dispatch machinery,
+primitive/device_order.py; here is only what touches JAX's private dispatch machinery,
 each hook feature-detected: it returns False and changes nothing where JAX's
 internals are not as expected.
 """

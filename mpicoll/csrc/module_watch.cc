@@ -1,5 +1,5 @@
-// The module's functions for watching the job (mpicoll.failures, _settings,
-// comm.py): the watchdog's thresholds and side channel, the watched
+// The module's functions for watching the job (observe/failures.py, runtime/settings.py,
+// runtime/comm.py): the watchdog's thresholds and side channel, the watched
 // communicator setup, the abort that ends the job, and the flight recorder and
 // timeline (core/watchdog.h, core/flight.h).  module.cc joins their table to
 // its own at import.

@@ -31,7 +31,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
 from report import report_and_exit  # noqa: E402
-from mpicoll import _ranks_devices, _settings  # noqa: E402
+from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
+from mpicoll.runtime import settings as _settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 COMM = MPI.COMM_WORLD
@@ -44,7 +45,7 @@ failures = []
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
     stray = jax.jit(lambda v: _ranks_devices.combined_allreduce_p.bind(
-        v, axis_name="i", local=2, comm=mpicoll.comm.resolve(None, "test").slot, size=SIZE,
+        v, axis_name="i", local=2, comm=mpicoll.runtime.comm.resolve(None, "test").slot, size=SIZE,
         root=0, op=0, transpose_sums=True, checked_ad=False))
     stray(np.ones(3)).block_until_ready()
     print("stray call returned", flush=True)

@@ -29,12 +29,12 @@ of size x L devices).
 
 On a global mesh, axes that span whole processes (every device of each) meet
 the local devices in mpicoll's handler: one MPI collective per process
-(_local_meeting.py).  psum, pmean, pmax, pmin and all_gather take
+(ops/local_meeting.py).  psum, pmean, pmax, pmin and all_gather take
 axis_index_groups where each participant is one device of a process: the
-groups become communicators (_mesh_groups.py).
+groups become communicators (over_ranks/mesh_groups.py).
 
 What cannot be mapped raises at trace time, naming what to use instead; the
-lowering refusal in _typing.py stays behind it, so nothing over RANKS acts on
+lowering refusal in primitive/varying.py stays behind it, so nothing over RANKS acts on
 one process silently.
 """
 
@@ -46,10 +46,14 @@ import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from . import _blocks, _compat, _local_meeting, _mesh_groups, _ranks_devices, _typing
-from . import comm as comm_layer
-from ._dispatch import bind
-from .p2p import PROC_NULL, SENDRECV
+from ..ops import (
+    blocks as _blocks, local_meeting as _local_meeting, ranks_devices as _ranks_devices)
+from .. import _compat
+from . import mesh_groups as _mesh_groups
+from ..primitive import varying as _typing
+from ..runtime import comm as comm_layer
+from ..primitive.dispatch import bind
+from ..ops.p2p import PROC_NULL, SENDRECV
 
 RANKS = _typing.RANKS
 
@@ -100,7 +104,7 @@ class _Participants:
     def meets(self):
         """Whether the local devices meet in mpicoll's handler for a collective that
         moves blocks between participants (one MPI collective per process,
-        _local_meeting.py): the whole layout, and the ranks x a local axis on CPU
+        ops/local_meeting.py): the whole layout, and the ranks x a local axis on CPU
         (where the composition would move each block once per participant)."""
         return self.layout == WHOLE or (self.layout == RANKS_X_AXIS
                                         and jax.default_backend() == "cpu")

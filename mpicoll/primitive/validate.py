@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _types, _typing, comm as comm_layer, failures
-from ._native import extension
+from .. import _compat
+from ..runtime import dtypes as _types, comm as comm_layer
+from . import varying as _typing
+from ..observe import failures
+from ..runtime.native import extension
 
 
 def as_array(x, caller):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils as _jax_utils
 
-from . import api, vector
+from ..ops import collectives as api, vector
 
 _JAX_OWN = {"process_allgather": _jax_utils.process_allgather,
             "broadcast_one_to_all": _jax_utils.broadcast_one_to_all}

@@ -2,16 +2,17 @@
 
 bcast, scatter, reduce, allreduce, gather, allgather, alltoall,
 reduce_scatter, scan and exscan move equal blocks per rank (MPI's plain
-collectives); pytrees of them fuse into one message per dtype (_dispatch.py).
+collectives); pytrees of them fuse into one message per dtype (primitive/dispatch.py).
 Each spec is a row of csrc/ops.def on the C++ side.
 """
 
 import jax.numpy as jnp
 
-from . import _compat, _types
-from ._primitive import define
-from ._spec import Collective, rank as _rank
-from ._typing import pvary_p
+from .. import _compat
+from ..runtime import dtypes as _types
+from ..primitive.define import define
+from ..primitive.spec import Collective, rank as _rank
+from ..primitive.varying import pvary_p
 
 _SUM = _types.SUM
 _OP_NAMES = _types.OP_NAMES

@@ -34,10 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import (_blocks, _compat, _local_meeting, _settings, _types, _typing, _validate,
-               comm as comm_layer, overlap)
-from ._dispatch import bind
-from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
+from . import blocks as _blocks, local_meeting as _local_meeting
+from .. import _compat
+from ..runtime import settings as _settings, dtypes as _types, comm as comm_layer
+from ..primitive import varying as _typing, validate as _validate, overlap
+from ..primitive.dispatch import bind
+from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
 _SUM = _types.SUM
 
@@ -52,7 +54,7 @@ _SUM = _types.SUM
 # 1.11-1.41x faster than small at 64 KiB there, and the cost model
 # (benchmarks/allreduce_model.py, docs/design.md, "A cost model") puts the crossover at
 # 4-19 KiB for 1,000 nodes x 8 devices.  256 KiB at 2 devices, 85 KiB at 4,
-# 37 KiB at 8.  (The value at 2 devices: _settings, MPICOLL_SPLIT_ALLREDUCE_BYTES.)
+# 37 KiB at 8.  (The value at 2 devices: runtime/settings.py, MPICOLL_SPLIT_ALLREDUCE_BYTES.)
 
 
 def _scaled_to(local, bytes_at_two_devices):
@@ -141,7 +143,7 @@ def _composed_allreduce(x, name, comm, axis_name):
 # 1.21-1.24x at 1 MiB; the cost model puts the crossover at 437 KiB for 4
 # devices and 130 KiB for 8.  So the threshold, like the split's, falls as
 # 1 / (L - 1): 1 MiB at 2 devices, 341 KiB at 4, 146 KiB at 8.
-# (The value at 2 devices, 1 MiB: _settings, MPICOLL_LOCAL_COMBINE_BYTES.)
+# (The value at 2 devices, 1 MiB: runtime/settings.py, MPICOLL_LOCAL_COMBINE_BYTES.)
 
 
 def local_combine_bytes(local):
@@ -160,7 +162,7 @@ def combined_allreduce(x, name, info, axis_name, whole=False, local=None, groups
     over a local axis: a global mesh's axes that span processes and their
     devices, or a process's devices alone, where XLA's own collectives would be
     JAX's cross-process ones.  local, groups: the devices that meet per rank,
-    and each device's group where several groups meet apart (_local_meeting)."""
+    and each device's group where several groups meet apart (ops/local_meeting.py)."""
     params = dict(comm=info.slot, size=info.size, root=0,
                   op=_types.op_code(name, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
@@ -191,7 +193,7 @@ def _combined_elsewhere(ctx, x, **params):
     raise NotImplementedError(
         "mpicoll.allreduce: the ranks x devices allreduce of small arrays combines the local "
         "devices on the host (CPU only); this program runs on another platform. Trace it "
-        "inside mpicoll._settings.override(local_combine_bytes=0) (or set "
+        "inside mpicoll.runtime.settings.override(local_combine_bytes=0) (or set "
         "MPICOLL_LOCAL_COMBINE_BYTES=0) to use XLA's collectives there")
 
 

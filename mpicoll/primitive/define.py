@@ -3,7 +3,7 @@
 Every mpicoll primitive lowers to a custom call of the extension that takes the
 MPI ordering token first and returns it first (`ordered_ffi_call`), so every
 rank issues its MPI calls in program order.  `define(spec)` turns a Collective
-spec (_spec.py) into its primitive, and for the blocks family into the fused
+spec (primitive/spec.py) into its primitive, and for the blocks family into the fused
 primitive that moves n arrays of one dtype in one message, each with abstract
 evaluation, eager evaluation, the lowering, batching and AD rules.
 `effectful_primitive` serves the calls that are not collectives of one array
@@ -18,7 +18,9 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _native, _spec, _types, _typing
+from .. import _compat
+from ..runtime import native as _native, dtypes as _types
+from . import spec as _spec, varying as _typing
 
 
 class MPIEffect(_compat.Effect):
@@ -73,14 +75,15 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
     return outs
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpicoll's own frames
+# mpicoll's own frames: everything under the package's folder (this file's parent's)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @functools.lru_cache(maxsize=None)
 def _check_process_major(mesh):
     """A mesh over several processes must list their devices process-major, each
     process's in its local order: mpicoll's communicators and handlers number the
-    participants that way (_lax_over_ranks.py)."""
+    participants that way (over_ranks/lax.py)."""
     devices = list(mesh.devices.flat)
     if len({device.process_index for device in devices}) == 1:
         return

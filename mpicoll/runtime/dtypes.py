@@ -12,7 +12,7 @@ import ml_dtypes  # installed with jaxlib; gives numpy its bfloat16
 import numpy as np
 from mpi4py import MPI
 
-from ._native import extension
+from .native import extension
 
 BOOL = "bool"
 INTEGER = "integer"

@@ -3,17 +3,20 @@ argument order.
 
 Each takes an array or a pytree and an optional communicator (default
 COMM_WORLD).  With axis_name (the local device axis of pmap/shard_map) a
-collective spans ranks x local devices (_ranks_devices.py); this module is the
+collective spans ranks x local devices (ops/ranks_devices.py); this module is the
 one reader of axis_name.  The variable-size collectives are in vector.py,
 point-to-point in p2p.py.
 """
 
 import jax
 
-from . import _blocks, _compat, _ranks_devices, _spec, _types, _typing, comm as comm_layer
-from ._dispatch import collective
-from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
-from ._validate import as_array, each_leaf
+from . import blocks as _blocks, ranks_devices as _ranks_devices
+from .. import _compat
+from ..primitive import spec as _spec, varying as _typing
+from ..runtime import dtypes as _types, comm as comm_layer
+from ..primitive.dispatch import collective
+from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
+from ..primitive.validate import as_array, each_leaf
 
 
 # What every rank-block collective has in common, put into each docstring by

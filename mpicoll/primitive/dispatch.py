@@ -12,8 +12,10 @@ import functools
 
 import jax
 
-from . import _compat, _primitive, _types, _typing, _validate, comm as comm_layer, overlap
-from ._device_order import after_pending_programs
+from .. import _compat
+from . import define as _primitive, varying as _typing, validate as _validate, overlap
+from ..runtime import dtypes as _types, comm as comm_layer
+from .device_order import after_pending_programs
 
 
 def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,

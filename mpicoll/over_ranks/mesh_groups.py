@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat, comm as comm_layer
+from .. import _compat
+from ..runtime import comm as comm_layer
 
 PER_DEVICE = "per device"  # one device per rank each: device k of every rank of comm
 RANKS_X_AXIS = "ranks x local axis"  # comm's ranks x a local mesh axis (mpicoll.mesh)
@@ -27,7 +28,7 @@ WHOLE = "whole"  # every device of every rank of comm, with no local axis of the
 # Global meshes: after mpicoll.distributed.initialize() (or jax.distributed's
 # own), a mesh over every process's devices.  Its devices are listed
 # process-major (device i is local device i % L of process i // L, checked when
-# the program is lowered: _primitive.py), so which devices a collective over
+# the program is lowered: primitive/define.py), so which devices a collective over
 # some axes groups together follows from the mesh's shape alone.
 
 def global_mesh():
@@ -77,7 +78,7 @@ def grouping(names, sizes, axes, processes, local):
             return PER_DEVICE, [(color[q], int(position[q * local])) for q in range(processes)]
     # Otherwise the same `devices` local devices of each process in every group
     # (all of them, or a group of them where the axes take some): they meet in
-    # mpicoll's handler, each group apart (_local_meeting).
+    # mpicoll's handler, each group apart (ops/local_meeting.py).
     shares = {(g, int(q)): tuple(sorted(device[m][process[m] == q]))
               for g, m in members.items() for q in set(process[m])}
     if len({len(v) for v in shares.values()}) != 1:

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat, _types, _validate
-from ._dispatch import bind
-from ._primitive import define, effectful_primitive, mpi_effect, ordered_ffi_call
-from ._spec import Collective
+from .. import _compat
+from ..runtime import dtypes as _types
+from ..primitive import validate as _validate
+from ..primitive.dispatch import bind
+from ..primitive.define import define, effectful_primitive, mpi_effect, ordered_ffi_call
+from ..primitive.spec import Collective
 
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG

@@ -8,7 +8,7 @@ varying) and take per-rank inputs, casting an invariant one with pvary.  JAX
 then does the rest with its own rules: it inserts pvary where an invariant value
 meets a varying one (the cotangent of a replicated parameter is summed over
 ranks: pvary's transpose, psum over RANKS, reaches mpicoll through
-_lax_over_ranks.py) and rejects a loop whose carry changes type (a per-rank
+over_ranks/lax.py) and rejects a loop whose carry changes type (a per-rank
 carry that an allreduce makes identical).
 
 The same typing holds over the axes of a global mesh that a communicator made
@@ -29,7 +29,8 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 
-from . import _compat, _settings, comm as comm_layer
+from .. import _compat
+from ..runtime import settings as _settings, comm as comm_layer
 
 RANKS = "mpicoll.RANKS"
 
@@ -93,7 +94,7 @@ def typed_axes(slot=None):
     """The mesh axes whose participants a communicator's ranks are, where values
     are typed over them now (shard_map with check_vma), else ().
 
-    A communicator mpicoll made for axes of a global mesh (_lax_over_ranks.py)
+    A communicator mpicoll made for axes of a global mesh (over_ranks/lax.py)
     stands for those axes; any other stands for RANKS inside mesh().
     """
     if not _compat.check_vma_enabled():
@@ -113,7 +114,7 @@ def _spans_all_ranks(params):
 # to a replicated value (e.g. parameters) before using it rank-dependently, so
 # that the gradient collects every rank's contribution (as shard_map does).
 # No MPI call: the identity's lowering is its input.  Its transpose, the
-# allreduce, is registered beside the allreduce (_blocks.py).
+# allreduce, is registered beside the allreduce (ops/blocks.py).
 
 pvary_p = Primitive("mpicoll_pvary")
 pvary_p.def_impl(lambda x, **params: x)
@@ -134,7 +135,7 @@ def cast_per_rank(x, info=None):
     info = info or world()
     if info.mesh_axes:
         # JAX's own: its transpose, psum over the axes, comes back to mpicoll
-        # as the communicator's allreduce (_lax_over_ranks.py).
+        # as the communicator's allreduce (over_ranks/lax.py).
         return _compat.pvary(x, info.mesh_axes)
     return pvary_p.bind(x, comm=info.slot, size=info.size)
 
@@ -285,7 +286,7 @@ def check_reverse_mode(name, params):
 
 
 # The lax collectives over RANKS are routed to mpicoll's when they bind
-# (_lax_over_ranks.py); one that reaches XLA anyway (bound before mpicoll was
+# (over_ranks/lax.py); one that reaches XLA anyway (bound before mpicoll was
 # imported, e.g. in a jaxpr traced earlier) would act on this process alone.
 _compat.refuse_lax_collectives_over(
     RANKS, "jax.lax {name} over " + repr(RANKS) + " reached XLA, which would run it on this "

@@ -4,7 +4,7 @@ of every spec, and the docstring filler of the public functions.
 A spec gives what differs between collectives (the output shape rule, whether
 it takes a root and a reduction op, its vmap and autodiff hooks); one mechanism
 (_primitive.define) turns it into a JAX primitive.  The families:
-"blocks" (_blocks.py: equal rank blocks, pytrees fuse), "vector" (vector.py:
+"blocks" (ops/blocks.py: equal rank blocks, pytrees fuse), "vector" (vector.py:
 counts per rank) and "peer" (p2p.py: point-to-point).  The extension's own table
 of collectives (csrc/ops.def) is the other half of a row; `define` checks that
 the two agree.
@@ -14,7 +14,8 @@ import dataclasses
 import textwrap
 from typing import Callable
 
-from . import _compat, comm as comm_layer
+from .. import _compat
+from ..runtime import comm as comm_layer
 
 
 @dataclasses.dataclass(frozen=True)

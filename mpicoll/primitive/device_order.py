@@ -16,9 +16,10 @@ import functools
 import jax
 import numpy as np
 
-from . import _compat, _native, _settings
-from ._compat import dispatch_hooks
-from ._primitive import MPIEffect
+from .. import _compat
+from ..runtime import native as _native, settings as _settings
+from .._compat import dispatch_hooks
+from .define import MPIEffect
 
 
 class DeviceOrderDispatch:

@@ -18,10 +18,12 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import _blocks, _spec, _types
-from ._dispatch import bind
-from ._primitive import define
-from ._spec import Collective, rank as _rank
+from . import blocks as _blocks
+from ..primitive import spec as _spec
+from ..runtime import dtypes as _types
+from ..primitive.dispatch import bind
+from ..primitive.define import define
+from ..primitive.spec import Collective, rank as _rank
 
 _INT_MAX = 2**31 - 1
 

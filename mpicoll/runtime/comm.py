@@ -23,8 +23,9 @@ import time
 import jax
 from mpi4py import MPI
 
-from . import _compat, _native, _settings
-from ._native import extension
+from .. import _compat
+from . import native as _native, settings as _settings
+from .native import extension
 
 _BUILD = extension.build_info()
 
@@ -37,7 +38,7 @@ class CommInfo:
     rank: int
     name: str
     per_device: tuple = dataclasses.field(compare=False)  # private duplicates, one per device
-    mesh_axes: tuple = ()  # the global mesh axes it was made for (_lax_over_ranks.py)
+    mesh_axes: tuple = ()  # the global mesh axes it was made for (over_ranks/lax.py)
 
 
 _free_slots = list(range(_BUILD["max_comms"] - 1, -1, -1))
@@ -152,7 +153,8 @@ def _first_call(caller):
     return f"{caller} (called at {where})" if where else caller
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # mpicoll's own frames
+# mpicoll's own frames: everything under the package's folder (this file's parent's)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _world_ranks(comm):

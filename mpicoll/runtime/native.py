@@ -8,7 +8,7 @@ import jax
 # chose another (MPI4PY_RC_THREAD_LEVEL, or mpi4py.rc.thread_level before this).
 from mpi4py import MPI
 
-from . import _settings
+from . import settings as _settings
 
 # What a user runs to (re)build the extension against the MPI they run with.
 _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
@@ -51,7 +51,7 @@ def load_error_message(error_text):
 
 
 try:
-    from . import _mpicoll_ffi as extension
+    from .. import _mpicoll_ffi as extension
 except ImportError as error:  # pragma: no cover - depends on the installation
     raise ImportError(load_error_message(str(error))) from error
 
@@ -86,7 +86,7 @@ if THREAD_LEVEL < MPI.THREAD_SERIALIZED:
 # MPI skips the locking MULTIPLE costs every call, so mpicoll makes sure no two
 # MPI calls overlap.  Its own calls take one lock in the extension, and each
 # dispatch of a program with collectives completes before it returns
-# (_device_order.py), so no mpicoll MPI call is in flight while Python runs and
+# (primitive/device_order.py), so no mpicoll MPI call is in flight while Python runs and
 # the user's own mpi4py calls cannot overlap one.  Several local devices would
 # call MPI from several threads at once: comm.py refuses them at first use.
 SERIALIZED = THREAD_LEVEL < MPI.THREAD_MULTIPLE

@@ -35,7 +35,7 @@ DEFAULT_STALL_REPORT = 60.0
 # Each local device's last 1,000 collectives (about 150 B each) are kept for
 # the flight dumps (csrc/core/flight.h).
 DEFAULT_FLIGHT_RECORDS = 1000
-# The measurements behind these two are in _ranks_devices.py.
+# The measurements behind these two are in ops/ranks_devices.py.
 DEFAULT_LOCAL_COMBINE_BYTES = 1024 * 1024
 DEFAULT_SPLIT_ALLREDUCE_BYTES = 256 * 1024
 

@@ -21,7 +21,7 @@
 * Flight recorder (MPICOLL_FLIGHT_RECORDS, default 1000 per local device) and
   timeline (MPICOLL_TRACE=dir), csrc/core/flight.h: every rank's recent (or
   every) collective, written on a stall, a timeout, an abort, SIGUSR1 or (the
-  timeline) at exit; read by `python -m mpicoll flight|trace DIR` (_records.py).
+  timeline) at exit; read by `python -m mpicoll flight|trace DIR` (observe/records.py).
 """
 
 import atexit
@@ -33,8 +33,9 @@ import traceback
 
 from mpi4py import MPI
 
-from . import _compat, _native, _settings
-from ._native import extension
+from .. import _compat
+from ..runtime import native as _native, settings as _settings
+from ..runtime.native import extension
 
 
 CHECK_MODES = _settings.CHECK_MODES  # the handler's codes 0, 1, 2
@@ -163,7 +164,7 @@ def set_stall_report(seconds):
 
     Example::
 
-        mpicoll.failures.set_stall_report(5)    # report sooner while debugging
+        mpicoll.observe.failures.set_stall_report(5)    # report sooner while debugging
     """
     seconds = float(seconds or 0)
     if seconds < 0:
@@ -238,7 +239,7 @@ def install_abort_on_error():
 
 
 def configure(settings):
-    """Apply the settings read at import (_settings.py): abort on error, check mode, timeout,
+    """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
     world_size = MPI.COMM_WORLD.Get_size()
     abort = settings.abort_on_error if settings.abort_on_error is not None else world_size > 1

@@ -29,8 +29,10 @@ behind the rows.
 import jax
 import numpy as np
 
-from . import _compat, _types, _typing, comm as comm_layer
-from ._primitive import effectful_primitive, mpi_effect, ordered_ffi_call
+from .. import _compat
+from ..runtime import dtypes as _types, comm as comm_layer
+from ..primitive import varying as _typing
+from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
 # The handler's kind codes (csrc/local_meeting.cc, MeetingKind).
 KINDS = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "alltoall": 3, "permute": 4,
