@@ -408,12 +408,10 @@ def _in_groups(name, who, groups):
 _ROUTES = {
     **{name: (lambda x, who, params, op=op: _allreduce(x, op, who))
        for name, op in _REDUCTIONS.items()},
-    "all_gather": lambda x, who, params: _all_gather(
+    **{name: (lambda x, who, params, invariant=invariant: _all_gather(
         x, who, all_gather_dimension=params["all_gather_dimension"], tiled=params["tiled"],
-        invariant=False),
-    "all_gather_invariant": lambda x, who, params: _all_gather(
-        x, who, all_gather_dimension=params["all_gather_dimension"], tiled=params["tiled"],
-        invariant=True),
+        invariant=invariant))
+       for name, invariant in (("all_gather", False), ("all_gather_invariant", True))},
     "reduce_scatter": lambda x, who, params: _psum_scatter(
         x, who, scatter_dimension=params["scatter_dimension"], tiled=params["tiled"]),
     "all_to_all": lambda x, who, params: _all_to_all(
@@ -456,8 +454,8 @@ def _within_process(axes):
     (docs/jax-vocabulary.md)."""
     if jax.process_count() == 1 or jax.default_backend() != "cpu":
         return None
-    return _Participants(_this_process(tuple(axes)), WHOLE, lax.axis_size(axes),
-                         local=lax.axis_size(axes))
+    devices = lax.axis_size(axes)
+    return _Participants(_this_process(tuple(axes)), WHOLE, devices, local=devices)
 
 
 @functools.lru_cache(maxsize=None)
