@@ -29,8 +29,9 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from conftest import (COLLECTIVES, INVALID_PAIRS, OPEN_MPI, REDUCING, ROOTED, SIZE, STACKED_INPUT,
-                      WORLD, assert_in_step, call, input_shape, pair_id, same_on_every_rank)
+from conftest import (COLLECTIVES, INVALID_PAIRS, OPEN_MPI, RANK, REDUCING, ROOTED, SIZE,
+                      STACKED_INPUT, WORLD, assert_in_step, call, input_shape, pair_id,
+                      same_on_every_rank)
 
 MODES = ("eager", "jit")
 WITH_X = COLLECTIVES + ("pvary",)  # every public function that takes an x
@@ -334,6 +335,25 @@ GLOBAL_PARAMS = [(name, case) for case, (names, *_) in GLOBAL_CASES.items() for 
 def test_bad_global_call(name, case, mode):
     _, make, exception, argument = GLOBAL_CASES[case]
     check_refused(make(name), exception, argument, mode, 9)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("op", ["sum", MPI.MAX])
+def test_global_reduction_checks_its_op_once(name, op, monkeypatch):
+    """Over ranks x devices the op is checked before the devices combine, then handed
+    on as checked (runtime/dtypes.CheckedOp): the MPI part does not check it again."""
+    from mpicoll.runtime import dtypes
+    looked_up = []
+    op_name = dtypes.op_name
+    monkeypatch.setattr(dtypes, "op_name", lambda *a: looked_up.append(a[0]) or op_name(*a))
+    x = np.arange(SIZE * LOCAL * 2, dtype=np.float32).reshape(SIZE * LOCAL, 2)
+    stacked = np.broadcast_to(x, (LOCAL, *x.shape))
+    fn = getattr(mpicoll, name)
+    out = jax.pmap(lambda v: fn(v, op, axis_name="i"), axis_name="i")(stacked)
+    assert len(looked_up) == 1, looked_up
+    combined = x * SIZE * LOCAL if op == "sum" else x
+    expected = combined if name == "allreduce" else combined[RANK * LOCAL]
+    np.testing.assert_array_equal(np.asarray(out[0]), expected)
 
 
 # ---------------------------------------------------------------------------

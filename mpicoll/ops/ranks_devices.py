@@ -76,33 +76,35 @@ def _local_axis_size(axis_name, caller):
 
 
 def _reduction_arguments(x, op, comm, axis_name, caller):
-    """(x as an array, the op's name, the communicator, the local device count), checked."""
+    """(x as an array, the op checked for its dtype, the communicator, the local
+    device count): the one check of op and comm on this path (the binds below
+    take them as checked, runtime/dtypes.CheckedOp and comm.CommInfo)."""
     x = _validate.as_array(x, caller)
-    name = _types.op_name(op, caller)
-    _types.op_code(name, x.dtype, caller)
-    return x, name, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
+    op = _types.checked_op(op, x.dtype, caller)
+    return x, op, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
 
 
 def allreduce(x, op, comm, axis_name):
-    x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
+    x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
     if _combines_in_handler(x, local):
-        return combined_allreduce(x, name, info, axis_name)
-    return _composed_allreduce(x, name, info, axis_name)
+        return combined_allreduce(x, op, info, axis_name)
+    return _composed_allreduce(x, op, info, axis_name)
 
 
-def _composed_allreduce(x, name, comm, axis_name):
+def _composed_allreduce(x, op, comm, axis_name):
     """The lax collective over the local devices, then the per-device MPI allreduce."""
     local = lax.axis_size(axis_name)
     vma = _compat.check_vma_enabled()
     # psum's transpose is psum under pmap, and pvary (identity) with check_vma.
-    per_rank = functools.partial(bind, _blocks.ALLREDUCE, op=name, comm=comm,
+    per_rank = functools.partial(bind, _blocks.ALLREDUCE, op=op, comm=comm,
                                  transpose_sums=not vma)
-    if name != "sum":
+    if op.name != "sum":
         # Every device reduces the same gathered rows, so the result is typed
         # invariant over the local axis, as lax.pmax's is (its derivative then
         # reaches the device whose element won).
         gathered = (_compat.all_gather_invariant if vma else lax.all_gather)(x, axis_name)
-        combined = functools.reduce(_types.elementwise(name), [gathered[k] for k in range(local)])
+        combined = functools.reduce(_types.elementwise(op.name),
+                                    [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
     if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
         return per_rank(lax.psum(x, axis_name))
@@ -156,7 +158,7 @@ def _combines_in_handler(x, local):
             and not overlap.active() and jax.default_backend() == "cpu")
 
 
-def combined_allreduce(x, name, info, axis_name, whole=False, local=None, groups=()):
+def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=()):
     """whole: the combine is the entire collective over axis_name (its every
     participant is a device of a rank of info), not a step of the composition
     over a local axis: a global mesh's axes that span processes and their
@@ -164,7 +166,7 @@ def combined_allreduce(x, name, info, axis_name, whole=False, local=None, groups
     JAX's cross-process ones.  local, groups: the devices that meet per rank,
     and each device's group where several groups meet apart (ops/local_meeting.py)."""
     params = dict(comm=info.slot, size=info.size, root=0,
-                  op=_types.op_code(name, x.dtype, "allreduce"),
+                  op=_types.op_code(op, x.dtype, "allreduce"),
                   transpose_sums=not _compat.check_vma_enabled(),
                   checked_ad=_typing.autodiff_checked())
     x, params = _typing.typed_input(x, info), _typing.typed_params(params)
@@ -219,7 +221,8 @@ def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
                 f"jax.lax.p{_types.OP_NAMES[op]} over axes spanning processes has no "
                 "derivative (JAX defines none for pmax and pmin)")
         return y, combined_allreduce_p.bind(t, axis_name=axis_name, comm=comm, op=op, **params)
-    composed = functools.partial(_composed_allreduce, name=_types.OP_NAMES[op],
+    composed = functools.partial(_composed_allreduce,
+                                 op=_types.checked_op(_types.OP_NAMES[op], x.dtype, "allreduce"),
                                  comm=comm_layer.info_for_slot(comm), axis_name=axis_name)
     if op == _SUM:  # linear
         return y, composed(t)
@@ -267,9 +270,10 @@ def alltoall(x, comm, axis_name):
     info = comm_layer.resolve(comm, "alltoall")
     local = _local_axis_size(axis_name, "alltoall")
     blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
-    # Device k' receives, from every local device k, the rows meant for devices k'.
-    blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)  # [dest rank, src device]
-    blocks = bind(_blocks.ALLTOALL, blocks, comm=comm)  # [src rank, src device]
+    # Device k' receives, from every local device k, the rows meant for devices k':
+    # [dest rank, src device].
+    blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
+    blocks = bind(_blocks.ALLTOALL, blocks, comm=info)  # [src rank, src device]
     return blocks.reshape(x.shape)
 
 
@@ -284,20 +288,21 @@ def bcast(x, root, comm, axis_name):
     vma = _compat.check_vma_enabled()
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
-    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=comm, root=root_rank,
+    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=info, root=root_rank,
                 transpose_sums=not vma)
 
 
 def reduce_scatter(x, op, comm, axis_name):
-    x, name, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
+    x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
     blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
-    if name == "sum":
+    if op.name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
         mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]
     else:
         everything = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
         # [dest rank, source device]: combine over the local source devices
-        mine = functools.reduce(_types.elementwise(name), [everything[:, k] for k in range(local)])
+        mine = functools.reduce(_types.elementwise(op.name),
+                                [everything[:, k] for k in range(local)])
         mine = mine.astype(x.dtype)
     vma = _compat.check_vma_enabled()
-    return bind(_blocks.REDUCE_SCATTER, mine, op=name, comm=comm, transpose_sums=not vma)
+    return bind(_blocks.REDUCE_SCATTER, mine, op=op, comm=info, transpose_sums=not vma)

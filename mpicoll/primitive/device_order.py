@@ -92,10 +92,10 @@ class DeviceOrderDispatch:
         if self.active:
             self.wait_for_cpu_devices()
 
-    def _fence_on(self, shard):
-        """A single-device execution on shard's device that reads shard: it runs after
-        the device's earlier executions and after shard is ready, and later
-        single-device executions there wait for it."""
+    def _fences(self, shards):
+        """For each shard, a single-device execution on its device that reads it: it
+        runs after the device's earlier executions and after the shard is ready,
+        and later single-device executions there wait for it."""
         if self._fence is None:
             self._fence = jax.jit(lambda t: t | t)
         # A multi-device program may be dispatched inside shard_map's mesh, which
@@ -103,7 +103,7 @@ class DeviceOrderDispatch:
         # may be called while a function is traced (a rejected call compares
         # notes first), where the fence must still run, not be traced.
         with dispatch_hooks.outside_meshes():
-            return self._fence(shard)
+            return [self._fence(shard) for shard in shards]
 
     @staticmethod
     def _on_cpu_devices(array):
@@ -118,7 +118,7 @@ class DeviceOrderDispatch:
         if array is None or not self._on_cpu_devices(array):
             return token
         return dispatch_hooks.token_from_shards(
-            token, [self._fence_on(s.data) for s in array.addressable_shards])
+            token, self._fences([s.data for s in array.addressable_shards]))
 
     def fence_after_multi_device_token(self, token):
         """After a multi-device program: on each of its devices, an execution that waits
@@ -126,8 +126,7 @@ class DeviceOrderDispatch:
         array = dispatch_hooks.token_array(token)
         if array is None or not self._on_cpu_devices(array):
             return
-        for shard in array.addressable_shards:
-            self._fence_on(shard.data)
+        self._fences([s.data for s in array.addressable_shards])
 
     def wait_for_cpu_devices(self):
         """Wait until every program enqueued so far on this process's CPU devices has run."""
@@ -136,8 +135,8 @@ class DeviceOrderDispatch:
         except RuntimeError:  # no CPU backend
             return
         with jax.ensure_compile_time_eval():  # also when called while tracing
-            fences = [self._fence_on(jax.device_put(np.zeros(0, bool), device))
-                      for device in devices]
+            fences = self._fences([jax.device_put(np.zeros(0, bool), device)
+                                   for device in devices])
         for fence in fences:
             fence.block_until_ready()
 
@@ -146,11 +145,15 @@ class DeviceOrderDispatch:
         return self._applies(closed_jaxpr, num_devices, platforms)
 
 
-# In "tokens" mode a jitted function with a collective dispatches on JAX's
-# Python path, which threads the effect's runtime token from program to
-# program; this skips JAX's resharding of that token where it is already on
-# the program's one device.
-RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path()
+# A program with runtime tokens (every one in "tokens" mode, every one over
+# several devices) dispatches on JAX's Python path, which threads the effect's
+# runtime token from program to program; this skips JAX's copy of that token,
+# which waits for the last program, where the token is already on the
+# program's devices.  Programs over several devices: at most this many in
+# flight (XLA's CPU client holds 32 executions per device; fences add two per
+# device and program in "device-order" mode).
+MAX_MULTI_DEVICE_AHEAD = 8
+RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path(MAX_MULTI_DEVICE_AHEAD)
 # Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
 # its dispatch returns, so none is in flight while Python (and mpi4py) runs.
 # Eager calls complete before returning anyway (_dispatch.bind).

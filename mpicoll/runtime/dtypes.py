@@ -7,6 +7,8 @@ valid dtype families come from the extension's tables (csrc/dtypes.def,
 csrc/reduce_ops.def).
 """
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import ml_dtypes  # installed with jaxlib; gives numpy its bfloat16
 import numpy as np
@@ -88,8 +90,19 @@ def dtype_family(dtype, caller):
     return family
 
 
+class CheckedOp(NamedTuple):
+    """A reduction op already checked for one dtype: a composition that checks the
+    user's op first (before combining on the devices with elementwise()) hands
+    this on, and op_code returns its code without checking it again."""
+    name: str
+    code: int
+    dtype: np.dtype
+
+
 def op_name(op, caller):
     """Normalize an op given as a name or an mpi4py MPI.Op to its lowercase name."""
+    if isinstance(op, CheckedOp):
+        return op.name
     if isinstance(op, MPI.Op):
         for mpi_op, name in _MPI4PY_OPS:
             if op == mpi_op:
@@ -103,12 +116,21 @@ def op_name(op, caller):
                      f"{', '.join(OP_FAMILIES)} (or the matching mpi4py MPI.Op)")
 
 
-def op_code(op, dtype, caller):
-    """The handler's code for op on dtype; ValueError/TypeError if invalid."""
+def checked_op(op, dtype, caller):
+    """op (a name, an mpi4py MPI.Op or a CheckedOp) checked for dtype -> CheckedOp;
+    ValueError/TypeError if invalid."""
+    dtype = np.dtype(dtype)
+    if isinstance(op, CheckedOp) and op.dtype == dtype:
+        return op
     name = op_name(op, caller)
     family = dtype_family(dtype, caller)
     if family not in OP_FAMILIES[name]:
         valid = [n for n, fams in OP_FAMILIES.items() if family in fams]
         raise TypeError(f"mpicoll.{caller}: op={name!r} is not defined for dtype "
-                        f"{np.dtype(dtype)} ({family}); valid ops for it: {', '.join(valid)}")
-    return OP_CODES[name]
+                        f"{dtype} ({family}); valid ops for it: {', '.join(valid)}")
+    return CheckedOp(name, OP_CODES[name], dtype)
+
+
+def op_code(op, dtype, caller):
+    """The handler's code for op on dtype; ValueError/TypeError if invalid."""
+    return checked_op(op, dtype, caller).code

@@ -4,7 +4,8 @@ Each rank has 2 fake CPU devices.  In a Python loop, without waiting, it
 dispatches single-device programs on device 0 (several communicators, no data
 dependence between their collectives), pmap and shard_map programs over both
 devices (per-device collectives, runtime tokens) and eager calls, with
-rank-dependent local work so that the ranks' programs do not finish in step.
+rank-dependent local work so that the ranks' programs do not finish in step;
+then 100 multi-device programs back to back, none waited for (run ahead).
 If a multi-device program overtook a pending single-device one on device 0 (or
 the reverse), device 0's calls would pair up differently on different ranks:
 wrong data or a hang (the watchdog and the launcher's timeout end it).  Every
@@ -71,6 +72,24 @@ for step in range(STEPS):
     if step % 5 == 4:  # eager calls wait for their result: not every step
         results.append(("eager", step, mpicoll.allreduce(x, comm=COMMS[0])))
     results.append(("shard_map", step, sharded(pair)))
+
+# Run ahead: 100 multi-device programs dispatched back to back, none waited for.
+# XLA's CPU client makes a pool thread wait when a device holds 32 executions,
+# and its pool is as small as the device count on 2 cores: without mpicoll's
+# bound on programs in flight, the waiting threads starve the executions that
+# would free them (a hang, seen at 2 x 2).
+RUN_AHEAD = 100
+pair = np.stack([base + RANK, base + RANK + 10])
+# Every third call over the devices in the other order: the last token's shards
+# are regrouped for it (no copy, no wait).
+swapped = jax.pmap(lambda v: mpicoll.allreduce(v * 3, comm=COMMS[0]), axis_name="i",
+                   devices=DEVICES[::-1])
+ahead = [(swapped if i % 3 == 2 else pmapped)(pair + i) for i in range(RUN_AHEAD)]
+for i, out in enumerate(ahead):
+    stack = np.stack([o + i for o in others])
+    expected = np.stack([stack.sum(0), (stack + 10).sum(0)]) * 3
+    if not np.array_equal(np.asarray(out), expected):
+        failures.append(f"run-ahead call {i}: {np.asarray(out)} != {expected}")
 
 for kind, step, out in results:
     stack = np.stack([o + step for o in others])
