@@ -20,7 +20,8 @@
 #                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #                                global_mesh_collectives.py (every lax collective over
-#                                processes x devices, at 1 and 2 devices per process)
+#                                processes x devices, at 1, 2 and 4 devices per process,
+#                                16 B and 4 MiB, beside JAX's gloo and the C MPI floor)
 #   make test-gpu / bench-gpu    on a GPU node: build with CUDA, the suite on GPU arrays at
 #                                1 and 2 ranks / the GPU benchmark (tools/gpu_suite.sh)
 #   make docs                    the documentation site (Sphinx + MyST, docs/) into
@@ -355,9 +356,9 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
-	for local in 1 2; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
+	for local in 1 2 4; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
-	    || exit 1; done
+	    --floor-lib $(FLOOR_LIB) || exit 1; done
 	cd benchmarks && $(VPY) collectives_model.py
 
 # --- Documentation ---------------------------------------------------------------

@@ -92,7 +92,9 @@ FORMATS = {
                          size_title="per device", ratios=["jax+gloo / mpicoll"]),
     # benchmarks/dispatch.py's file: a jitted step from a Python loop, with and without
     # a collective; the eager allreduce beside mpi4py's.
-    "global_mesh": Format(columns=[(f"L={n}", f"L = {n}") for n in (1, 2, 4, 8)],
+    "global_mesh": Format(columns=[(f"L={n}", f"L = {n}") for n in (1, 2, 4, 8)]
+                          + [(f"gloo L={n}", f"gloo, L = {n}") for n in (1, 2, 4, 8)]
+                          + [("MPI floor", "C MPI floor")],
                           size_title="per process", ratio_to="L=1"),
     "dispatch": Format(columns=[("step", "without collective"),
                                 ("+ allreduce", "+ allreduce, device order"),
@@ -217,13 +219,37 @@ def _read_global_mesh(name, data):
                f"machine, {_mpi(data['mpi'])}, jax {data['jax']}; {first['when'][:10]}; "
                f"µs per call, median of {first['repeats']} repeats of the slowest rank, a "
                f"loop of {first['inner']} dependent calls (per call: 200 dispatches of a "
-               f"16 B program); the same bytes per process at every L; (×): to L = 1")
+               f"16 B program); the same bytes per process at every L")
+    if "sizes" in first:
+        smallest = min(first["sizes"].values(), key=lambda size: size["asked"])["asked"]
+        moved = ", ".join(
+            f"{run['sizes'][label]['per_process']} B at L = {local}"
+            for local, run in sorted(runs.items(), key=lambda item: int(item[0]))
+            for label, size in run["sizes"].items()
+            if size["asked"] == smallest and "per call" not in label and "per device" not in label)
+        caption += (f" ({smallest} B: rounded up to one element per participant, {moved}); "
+                    f"gloo: JAX's own collectives after jax.distributed, loops of "
+                    f"{first['gloo_inner']} calls, median of {first['gloo_repeats']}; C MPI "
+                    f"floor: the direct MPI collective over the processes, the same bytes")
+    caption += "; (×): to L = 1"
     results = Results(name, "global_mesh", caption, "µs per call")
+    floor = set()  # the C floor of each row, once (every run measures it)
     for local in sorted(runs, key=int):
         run = runs[local]
-        for op, us in run["us_per_call"].items():
-            results.add(op, 16 if "per call" in op else run["bytes_per_process"],
-                        f"L={local}", us)
+        if "rows" not in run:  # written before the gloo and floor columns
+            for op, us in run["us_per_call"].items():
+                results.add(op, 16 if "per call" in op else run["bytes_per_process"],
+                            f"L={local}", us)
+            continue
+        for row in run["rows"]:
+            key = (row["op"], run["sizes"][row["size"]]["asked"])
+            if row["impl"] == "MPI floor":
+                if key in floor:
+                    continue
+                floor.add(key)
+            impl = {"mpicoll": f"L={local}", "gloo": f"gloo L={local}"}.get(row["impl"],
+                                                                               row["impl"])
+            results.add(*key, impl, row["us"])
     return results
 
 

@@ -27,7 +27,9 @@ behind the rows.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import _compat
 from ..runtime import dtypes as _types, comm as comm_layer
@@ -40,15 +42,22 @@ KINDS = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "alltoall": 3, "pe
 _ROWS_IN = ("reduce_scatter", "alltoall")  # x holds one row per participant
 
 
-def meet(x, kind, comm, local, *, pairs=(), root=0, groups=()):
+def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=()):
     """`kind` over `local` devices (those the program runs on here, or one group
     of them) of every rank of `comm` (a CommInfo); pairs: permute's (source row,
     destination row); root: bcast's row; groups: each local device's group,
-    where the devices meet in several groups (each over its own `local`)."""
+    where the devices meet in several groups (each over its own `local`).
+    invariant: for an allgather typed invariant over mesh axes (JAX's
+    all_gather_invariant), (those axes, the rank-major row of each participant
+    in their order); its transpose is then this participant's own row."""
     x = _typing.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
+    if invariant:
+        axes, rows = invariant
+        invariant = (tuple(axes), tuple(int(row) for row in rows))
     return local_meeting_p.bind(x, kind=kind, comm=comm.slot, size=comm.size, local=local,
-                                pairs=flat, root=int(root), groups=tuple(groups))
+                                pairs=flat, root=int(root), groups=tuple(groups),
+                                invariant=invariant)
 
 
 def _shape(shape, kind, participants):
@@ -59,15 +68,18 @@ def _shape(shape, kind, participants):
     return shape
 
 
-def _abstract_eval(x, *, kind, comm, size, local, **params):
+def _abstract_eval(x, *, kind, comm, size, local, invariant=(), **params):
     out = _compat.aval_with_shape(x, _shape(x.shape, kind, size * local))
+    if invariant:  # the same gathered rows on every participant of the axes
+        return _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0])), {
+            mpi_effect}
     axes = set(_typing.typed_axes(comm))
     if axes:
         out = _compat.with_varying_axes(out, _compat.varying_axes(x) | axes)
     return out, {mpi_effect}
 
 
-def _lowering(ctx, x, *, kind, comm, local, pairs, root, groups=(), **params):
+def _lowering(ctx, x, *, kind, comm, local, pairs, root, groups=(), invariant=(), **params):
     op = _types.op_code("sum", ctx.avals_in[0].dtype, "psum") if kind in (
         "reduce_scatter", "reduce") else 0
     return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, comm=comm, op=op, root=root,
@@ -107,9 +119,13 @@ _TRANSPOSED = {"allgather": "reduce_scatter", "reduce_scatter": "allgather",
                "alltoall": "alltoall", "permute": "permute", "bcast": "reduce", "reduce": "bcast"}
 
 
-def _transpose(ct, x, *, kind, pairs, **params):
+def _transpose(ct, x, *, kind, pairs, invariant=(), **params):
     if type(ct) is _compat.Zero:
         return [_compat.zero_tangent(x.aval)]
+    if invariant:  # JAX's all_gather_invariant's: this participant's own row, no traffic
+        axes, rows = invariant
+        own = jnp.asarray(rows, jnp.int32)[lax.axis_index(axes)]
+        return [lax.dynamic_index_in_dim(ct, own, 0, keepdims=False)]
     inverse = tuple(value for s, d in zip(pairs[::2], pairs[1::2]) for value in (d, s))
     info = comm_layer.info_for_slot(params["comm"])
     ct = _typing.typed_input(ct, info)

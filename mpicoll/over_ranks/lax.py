@@ -199,31 +199,13 @@ def _allreduce(x, op, who):
                                              local=who.local, groups=who.groups)
 
 
-# WHOLE: the L devices of a process have no axis of their own to run XLA's
-# collectives over (an XLA collective there would be JAX's cross-process one),
-# so everything goes through the one collective that meets the local devices in
-# mpicoll's handler, the combined allreduce: each participant adds its data at
-# its own place in a buffer of every participant's (count x the bytes of the
-# direct collective; exact, as the other places hold zeros).
-
-def _placed_sum(x, who, place):
-    """The sum over participants of zeros with x at `place` (a traced index) of a
-    buffer of shape (count, *x.shape), typed invariant over the axes."""
-    dtype = x.dtype
-    x = x.astype(jnp.int32) if dtype == jnp.bool_ else x
-    rows = jnp.zeros((who.count, *x.shape), x.dtype)
-    rows = lax.dynamic_update_index_in_dim(rows, x, place, 0)
-    return _allreduce(rows, "sum", who).astype(dtype)
-
-
 def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather is typed varying and transposes to psum_scatter (transpose_sums);
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
     varying = not (invariant and _vma())
-    if who.layout == WHOLE and varying:
-        rows = who.axes_order(who.meet(x, "allgather"))
-    elif who.layout == WHOLE:  # typed invariant: a sum of placed rows (count x the bytes)
-        rows = _placed_sum(x, who, who.index(who.axes))
+    if who.layout == WHOLE:
+        typed = () if varying else (who.axes, [who.rank_major_index(p) for p in range(who.count)])
+        rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
         rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
     if who.layout == RANKS_X_AXIS:

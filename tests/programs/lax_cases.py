@@ -35,6 +35,14 @@ def blocks(shape, participants):
     return (2, 2 * participants) if shape == "tile" else shape
 
 
+def all_gather_invariant(x, axes):
+    """lax.all_gather typed invariant over axes (jax 0.10's all_gather_invariant, later
+    all_gather(..., to="invarying"))."""
+    from jax._src.lax import parallel
+    legacy = getattr(parallel, "all_gather_invariant", None)
+    return legacy(x, axes) if legacy is not None else lax.all_gather(x, axes, to="invarying")
+
+
 # name -> (body(x, axes, participants in them), each participant's block shape).
 # "tile": see blocks().
 CASES = {
@@ -46,6 +54,7 @@ CASES = {
     "axis_size": (lambda x, a, n: x + lax.axis_size(a), (2,)),
     "axis_index": (lambda x, a, n: x * lax.axis_index(a), (2,)),
     "all_gather": (lambda x, a, n: lax.all_gather(x, a)[None], (2, 3)),
+    "all_gather_invariant": (lambda x, a, n: all_gather_invariant(x, a)[None], (2, 3)),
     "all_gather axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1), (2, 3)),
     "all_gather tiled axis=1": (lambda x, a, n: lax.all_gather(x, a, axis=1, tiled=True),
                                 (2, 3)),

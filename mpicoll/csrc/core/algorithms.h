@@ -256,10 +256,23 @@ inline int ScattervWhole(const Call& c, const Chunk&) {
                       rows.counts[c.rank], row.type, c.root, c.comm);
 }
 
+// A rank's rows to itself are copied here, not sent: MPICH moves them through
+// its transport like any message (2 ranks, one 2 MiB row each way plus one to
+// itself: 22 ms over TCP between simulated hosts, 1.6 ms with the copy here; in
+// shared memory 0.53-0.77 ms against 0.23 ms).  Unequal counts (a user error)
+// and device buffers stay with MPI, which reports or handles them.
 inline int AlltoallvWhole(const Call& c, const Chunk&) {
   RowType row(c);
   if (row.rc != MPI_SUCCESS) return row.rc;
   RankCounts sends(c.args + 1, c.size), receives(c.args + 1 + c.size, c.size);
+  const int self = c.rank;
+  if (!c.device_buffers && sends.counts[self] == receives.counts[self] && sends.counts[self]) {
+    const size_t row_bytes = static_cast<size_t>(c.args[0]) * c.elem_bytes;
+    std::memmove(static_cast<char*>(c.out) + receives.displacements[self] * row_bytes,
+                 static_cast<const char*>(c.in) + sends.displacements[self] * row_bytes,
+                 sends.counts[self] * row_bytes);
+    sends.counts[self] = receives.counts[self] = 0;
+  }
   return MPI_Alltoallv(c.in, sends.counts.data(), sends.displacements.data(), row.type, c.out,
                        receives.counts.data(), receives.displacements.data(), row.type, c.comm);
 }
