@@ -368,13 +368,13 @@ def flight(argv):
 
 def trace(argv):
     """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
-    from .observe import records as _records
+    from .observe import timeline as _timeline
 
     directory = _one_directory(argv, "trace")
     if directory is None:
         return 2
     try:
-        print(_records.write_merged(directory))
+        print(_timeline.write_merged(directory))
     except ValueError as error:
         print(f"python -m mpicoll trace: {error}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ import pytest
 
 import mpicoll
 from conftest import _LAUNCHER_PREFIXES
-from mpicoll.observe import records as _records
+from mpicoll.observe import records as _records, timeline as _timeline
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
 # What Open MPI's mpirun gives its ranks (OMPI_MCA_ess=^singleton among them): a process
@@ -214,10 +214,10 @@ def test_the_merge_puts_every_rank_on_rank_0s_clock_and_splits_wait_from_transfe
     _write(tmp_path, 1, [_event(1, 1, "allreduce(float32[4])", 7_000_000, 7_500_000,
                                 members="0,1")], offset=5_000_000, size=2)
     files = _records.load(tmp_path)
-    spans = {s.rank: s for s in _records.spans(files)}
+    spans = {s.rank: s for s in _timeline.spans(files)}
     assert spans[0].wait_ns == 2_000_000 and spans[0].transfer_ns == 500_000
     assert spans[1].wait_ns == 0 and spans[1].transfer_ns == 500_000
-    summary = _records.write_merged(str(tmp_path))
+    summary = _timeline.write_merged(str(tmp_path))
     assert "the straggler: rank 1" in summary, summary
     merged = json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
     waits = [e for e in merged if e.get("cat") == "wait"]

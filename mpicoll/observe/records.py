@@ -14,7 +14,8 @@ and finished times on the rank's own clock).
   different things is where their programs parted.  The ranks agree only where
   every rank has a file and every communicator's members are at the same
   sequence number, having called the same collectives.
-* `python -m mpicoll trace DIR`: the ranks merged onto rank 0's clock (the
+* `python -m mpicoll trace DIR` (observe/timeline.py reads the same files):
+  the ranks merged onto rank 0's clock (the
   offsets were measured over MPI at start), each collective split into the
   wait for peers (from this rank's arrival to the last rank's) and the transfer
   (from the last arrival to this rank's finish): DIR/merged.json for
@@ -24,7 +25,6 @@ and finished times on the rank's own clock).
 
 import dataclasses
 import glob
-import html
 import json
 import os
 import re
@@ -341,170 +341,3 @@ def flight_report(files):
                      "communicator every member is at the same sequence number, having called "
                      "the same collectives")
     return "\n".join(lines), bool(diverging or absent)
-
-
-# --- The timeline: merged onto one clock, wait and transfer -------------------------------
-
-@dataclasses.dataclass
-class Span:
-    rank: int
-    device: int
-    call: str
-    sequence: int
-    comm: str
-    start_ns: int     # on rank 0's clock
-    last_arrival_ns: int
-    finished_ns: int
-
-    @property
-    def wait_ns(self):
-        return max(0, self.last_arrival_ns - self.start_ns)
-
-    @property
-    def transfer_ns(self):
-        return max(0, self.finished_ns - max(self.start_ns, self.last_arrival_ns))
-
-
-def spans(files):
-    """Every finished collective of every rank as a Span on rank 0's clock."""
-    instances = {}
-    for f in files:
-        for r in f.records:
-            if r.finished_ns is None:
-                continue
-            # A point-to-point call (sequence 0) is one rank's alone here.
-            key = (r.comm, r.members, r.sequence) if r.sequence else (f.rank, id(r))
-            instances.setdefault(key, []).append((f.rank, r, f.clock_offset_ns))
-    out = []
-    for parts in instances.values():
-        last = max(r.started_ns + offset for _, r, offset in parts)
-        for rank, r, offset in parts:
-            out.append(Span(rank=rank, device=r.device, call=r.call, sequence=r.sequence,
-                            comm=r.comm, start_ns=r.started_ns + offset, last_arrival_ns=last,
-                            finished_ns=r.finished_ns + offset))
-    out.sort(key=lambda s: (s.start_ns, s.rank, s.device))
-    return out
-
-
-def merged_trace(files, all_spans):
-    """A Chrome trace of every rank: per collective a "wait" and a "transfer" span."""
-    origin = min((s.start_ns for s in all_spans), default=0)
-    events = []
-    for f in files:
-        events.append({"ph": "M", "name": "process_name", "pid": f.rank,
-                       "args": {"name": f"rank {f.rank} ({f.host})"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": f.rank,
-                       "args": {"sort_index": f.rank}})
-        for device in sorted({r.device for r in f.records}):
-            events.append({"ph": "M", "name": "thread_name", "pid": f.rank, "tid": device,
-                           "args": {"name": f"local device {device}"}})
-    for s in all_spans:
-        common = {"pid": s.rank, "tid": s.device,
-                  "args": {"sequence": s.sequence, "comm": s.comm}}
-        if s.wait_ns:
-            events.append({"ph": "X", "cat": "wait", "name": f"wait: {s.call}",
-                           "ts": (s.start_ns - origin) / 1e3, "dur": s.wait_ns / 1e3,
-                           "cname": "terrible", **common})
-        events.append({"ph": "X", "cat": "transfer", "name": s.call,
-                       "ts": (max(s.start_ns, s.last_arrival_ns) - origin) / 1e3,
-                       "dur": s.transfer_ns / 1e3, "cname": "good", **common})
-    return {"displayTimeUnit": "ns", "traceEvents": events,
-            "otherData": {"mpicoll": "merged", "ranks": [f.rank for f in files]}}
-
-
-def totals(all_spans):
-    """{rank: (collectives, wait ns, transfer ns, times it arrived last)}."""
-    out = {}
-    for s in all_spans:
-        n, wait, transfer, last = out.get(s.rank, (0, 0, 0, 0))
-        out[s.rank] = (n + 1, wait + s.wait_ns, transfer + s.transfer_ns,
-                       last + (s.start_ns == s.last_arrival_ns))
-    return out
-
-
-def trace_summary(files, all_spans):
-    """The text `python -m mpicoll trace DIR` prints, the straggler named."""
-    per_rank = totals(all_spans)
-    lines = [f"timeline of {len(files)} ranks, {len(all_spans)} collectives "
-             "(wait: for the last rank to arrive; transfer: from then to this rank's finish)",
-             f"  {'rank':>4}  {'host':<16} {'calls':>6} {'wait ms':>10} {'transfer ms':>12} "
-             f"{'arrived last':>13}"]
-    hosts = {f.rank: f.host for f in files}
-    for rank in sorted(per_rank):
-        n, wait, transfer, last = per_rank[rank]
-        lines.append(f"  {rank:>4}  {hosts.get(rank, '?'):<16} {n:>6} {wait * 1e-6:>10.3f} "
-                     f"{transfer * 1e-6:>12.3f} {last:>13}")
-    if len(per_rank) > 1:
-        waits = {rank: v[1] for rank, v in per_rank.items()}
-        straggler = min(waits, key=waits.get)
-        others = [w for r, w in waits.items() if r != straggler]
-        if max(others) > 0:
-            lines.append(f"the straggler: rank {straggler} (it waited least; the others waited "
-                         f"{sum(others) * 1e-6 / len(others):.3f} ms each on average, mostly "
-                         "for it)")
-    return "\n".join(lines)
-
-
-def picture(files, all_spans, width=1000):
-    """An SVG: one row per rank and local device, each collective's wait (orange)
-    and transfer (blue) on one time axis, and each rank's totals at the right."""
-    rows = sorted({(s.rank, s.device) for s in all_spans})
-    if not rows:
-        rows = [(f.rank, 0) for f in files]
-    origin = min((s.start_ns for s in all_spans), default=0)
-    end = max((s.finished_ns for s in all_spans), default=origin + 1)
-    scale = (width - 320) / max(1, end - origin)
-    row_height, top = 22, 40
-    height = top + row_height * len(rows) + 50
-    per_rank = totals(all_spans)
-    most = max([v[1] + v[2] for v in per_rank.values()] or [1]) or 1
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="10" y="18" font-size="14">mpicoll timeline: {len(all_spans)} collectives, '
-           f'{(end - origin) * 1e-6:.2f} ms; orange: waiting for peers, blue: transfer</text>']
-    for index, (rank, device) in enumerate(rows):
-        y = top + index * row_height
-        out.append(f'<text x="10" y="{y + 15}">rank {rank} dev {device}</text>')
-        out.append(f'<line x1="110" x2="{width - 200}" y1="{y + 10}" y2="{y + 10}" '
-                   'stroke="#ddd"/>')
-        for s in all_spans:
-            if (s.rank, s.device) != (rank, device):
-                continue
-            x = 110 + (s.start_ns - origin) * scale
-            if s.wait_ns:
-                out.append(f'<rect x="{x:.2f}" y="{y + 3}" width="{max(0.5, s.wait_ns * scale):.2f}" '
-                           f'height="14" fill="#f28e2b"><title>rank {rank}: wait {s.wait_ns / 1e3:.1f} us '
-                           f'in {html.escape(s.call)} #{s.sequence}</title></rect>')
-            xt = 110 + (max(s.start_ns, s.last_arrival_ns) - origin) * scale
-            out.append(f'<rect x="{xt:.2f}" y="{y + 3}" width="{max(0.5, s.transfer_ns * scale):.2f}" '
-                       f'height="14" fill="#4e79a7"><title>rank {rank}: {html.escape(s.call)} '
-                       f'#{s.sequence} transfer {s.transfer_ns / 1e3:.1f} us</title></rect>')
-        if device == min(d for r, d in rows if r == rank) and rank in per_rank:
-            _, wait, transfer, _ = per_rank[rank]
-            x0 = width - 190
-            ww, wt = 120 * wait / most, 120 * transfer / most
-            out.append(f'<rect x="{x0}" y="{y + 3}" width="{ww:.2f}" height="14" fill="#f28e2b"/>')
-            out.append(f'<rect x="{x0 + ww:.2f}" y="{y + 3}" width="{wt:.2f}" height="14" '
-                       'fill="#4e79a7"/>')
-            out.append(f'<text x="{x0 + ww + wt + 4:.2f}" y="{y + 15}" font-size="10">'
-                       f'{(wait + transfer) * 1e-6:.1f} ms</text>')
-    y = top + len(rows) * row_height + 20
-    out.append(f'<text x="110" y="{y}">0</text>')
-    out.append(f'<text x="{width - 260}" y="{y}">{(end - origin) * 1e-6:.2f} ms</text>')
-    out.append(f'<text x="{width - 190}" y="{top - 8}">total per rank</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def write_merged(directory):
-    """Merge DIR's timeline files: writes DIR/merged.json and DIR/timeline.svg;
-    returns the summary text."""
-    files = load(directory)
-    all_spans = spans(files)
-    with open(os.path.join(directory, "merged.json"), "w") as handle:
-        json.dump(merged_trace(files, all_spans), handle)
-    with open(os.path.join(directory, "timeline.svg"), "w") as handle:
-        handle.write(picture(files, all_spans))
-    return (trace_summary(files, all_spans) + f"\nwritten: {directory}/merged.json "
-            f"(chrome://tracing, ui.perfetto.dev), {directory}/timeline.svg")
