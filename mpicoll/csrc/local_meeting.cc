@@ -46,11 +46,16 @@ namespace {
 //   allgather       its row at place k                 MPI_Allgather        every row
 //   reduce_scatter  1/L of the reduction (as above)    reduce-scatter of    row k
 //                                                      blocks of L rows
-//   alltoall        its row for (r, k') at             MPI_Alltoall of      (r, k)'s row for
-//                   ((r * L + k) * L + k')             blocks of L*L rows   k, every r and k
+//   alltoall        its row for (r, k') at             MPI_Alltoallv of     (r, k)'s row for
+//                   ((r' * L + k) * L + k'), r' the    blocks of L*L rows   k, every r and k
+//                   place of r among the OTHER ranks;  to and from every
+//                   its rows for this rank go straight other rank
+//                   into device k''s output
 //   permute         its row, once per pair that        MPI_Alltoallv        the row of the
-//                   sends from it (by destination      (counts from the     pair that sends
-//                   rank, then source row)             pairs)               to it, else zeros
+//                   sends from it to another rank (by  (counts from the     pair that sends
+//                   destination rank, then source      pairs)               to it, else zeros
+//                   row); to a device of this rank,
+//                   straight into that device's output
 //   bcast           the root's row (root rank, root    MPI_Bcast            the row
 //                   device)
 //   reduce          1/L of the reduction (as above)    MPI_Reduce to the    the root: the sum;
@@ -69,9 +74,10 @@ namespace {
 // counter separates successive calls: a thread that returns and comes back for
 // the next call cannot mix with one still copying out, because the next call
 // cannot finish (nor, since only the last arrival resizes the buffers, touch
-// them) before that thread arrives too.  Inputs are read only while packing,
-// when every thread is still inside the call, so no XLA buffer is read after
-// its thread has returned.  Waiting threads are watched by the timeout like an
+// them) before that thread arrives too.  Inputs are read, and other devices'
+// outputs written (alltoall's and permute's rows within the rank), only while
+// packing, when every thread is still inside the call, so no XLA buffer is
+// touched after its thread has returned.  Waiting threads are watched by the timeout like an
 // MPI wait; a short spin before sleeping keeps the wake-up off the futex path
 // at small sizes.
 enum MeetingKind : int64_t {
@@ -113,6 +119,7 @@ struct LocalMeeting {
   ffi::DataType dtype = ffi::DataType::INVALID;
   int64_t op = -1;
   const char* inputs[kMaxLocalDevices];
+  char* outputs[kMaxLocalDevices];  // written by other devices while packing (alltoall, permute)
   int32_t devices[kMaxLocalDevices];
   std::vector<char> send, receive;
   std::vector<int64_t> counts;  // permute: MPI_Alltoallv's row size and counts
@@ -185,6 +192,7 @@ struct PermuteSlots {
     for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
       const int from = static_cast<int>(g.pairs[i] / g.local);
       const int to = static_cast<int>(g.pairs[i + 1] / g.local);
+      if (from == to) continue;  // inside a rank: device to device, no message
       if (from == g.rank) ++send_counts[to];
       if (to == g.rank) ++receive_counts[from];
     }
@@ -206,6 +214,7 @@ struct PermuteSlots {
     for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
       const int64_t s = g.pairs[i], d = g.pairs[i + 1];
       if ((by_destination ? s : d) / g.local != g.rank) continue;  // not this rank's
+      if (s / g.local == d / g.local) continue;                    // no message
       const int64_t b = (by_destination ? d : s) / g.local;
       if (b < block || (b == block && s < source)) ++slot;
     }
@@ -226,10 +235,16 @@ ffi::Error Pack(LocalMeeting& m, const Call& c, const Meeting& g, const char* in
       std::memcpy(m.send.data() + g.part * row, input, row);
       break;
     case kMeetAlltoall:
+      // Rows for this rank's own devices go straight into their outputs: every
+      // device is still in the call, and no output is any device's input.
       for (int r = 0; r < g.ranks; ++r) {
+        const size_t other = r < g.rank ? r : r - 1;  // r's place among the other ranks
         for (int k = 0; k < L; ++k) {
-          std::memcpy(m.send.data() + ((static_cast<size_t>(r) * L + g.part) * L + k) * row,
-                      input + (static_cast<size_t>(r) * L + k) * row, row);
+          const char* from = input + (static_cast<size_t>(r) * L + k) * row;
+          char* to = r == g.rank
+                         ? m.outputs[k] + (static_cast<size_t>(g.rank) * L + g.part) * row
+                         : m.send.data() + ((other * L + g.part) * L + k) * row;
+          std::memcpy(to, from, row);
         }
       }
       break;
@@ -237,8 +252,10 @@ ffi::Error Pack(LocalMeeting& m, const Call& c, const Meeting& g, const char* in
       const int64_t me = static_cast<int64_t>(g.rank) * L + g.part;
       for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
         if (g.pairs[i] != me) continue;
-        std::memcpy(m.send.data() + PermuteSlots::SendSlot(g, me, g.pairs[i + 1]) * row, input,
-                    row);
+        const int64_t to = g.pairs[i + 1];
+        std::memcpy(to / L == g.rank ? m.outputs[to % L]  // a device of this rank
+                                     : m.send.data() + PermuteSlots::SendSlot(g, me, to) * row,
+                    input, row);
       }
       break;
     }
@@ -284,11 +301,16 @@ ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t dev
       c.name = ReduceScatterOp::kName;
       return Execute<ReduceScatterOp>(c, device, memory,
                                       described("reduce_scatter", true, false));
-    case kMeetAlltoall:
+    case kMeetAlltoall:  // L * L rows to and from every other rank, none to itself
+      m.counts.assign(1, static_cast<int64_t>(L * L * row));
+      for (int side = 0; side < 2; ++side) {
+        for (size_t r = 0; r < P; ++r) m.counts.push_back(static_cast<int>(r) != g.rank);
+      }
+      c.args = m.counts.data(), c.nargs = m.counts.size();
       c.in = m.send.data(), c.out = m.receive.data();
-      c.in_count = c.out_count = P * L * L * row;
-      c.name = AlltoallOp::kName, c.mpi_op = MPI_OP_NULL;
-      return Execute<AlltoallOp>(c, device, memory, described("alltoall", false, false));
+      c.in_count = c.out_count = (P - 1) * L * L * row;
+      c.name = AlltoallvOp::kName, c.mpi_op = MPI_OP_NULL;
+      return Execute<AlltoallvOp>(c, device, memory, described("alltoall", false, false));
     case kMeetPermute: {
       const PermuteSlots slots(g);
       m.counts.assign(1, static_cast<int64_t>(row));
@@ -338,19 +360,27 @@ void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_by
     case kMeetReduceScatter:
       std::memcpy(output, m.receive.data() + g.part * row, row);
       break;
-    case kMeetAlltoall:
-      for (size_t from = 0; from < static_cast<size_t>(g.ranks) * L; ++from) {
-        std::memcpy(output + from * row, m.receive.data() + (from * L + g.part) * row, row);
+    case kMeetAlltoall:  // this rank's own rows arrived while packing
+      for (int r = 0; r < g.ranks; ++r) {
+        if (r == g.rank) continue;
+        const size_t other = r < g.rank ? r : r - 1;
+        for (int k = 0; k < L; ++k) {
+          std::memcpy(output + (static_cast<size_t>(r) * L + k) * row,
+                      m.receive.data() + ((other * L + k) * L + g.part) * row, row);
+        }
       }
       break;
     case kMeetPermute: {
       const int64_t me = static_cast<int64_t>(g.rank) * L + g.part;
-      std::memset(output, 0, out_bytes);  // nobody sends to it: zeros, as lax.ppermute
+      bool sent_to = false;
       for (size_t i = 0; i + 1 < g.pairs.size(); i += 2) {
         if (g.pairs[i + 1] != me) continue;
+        sent_to = true;
+        if (g.pairs[i] / L == g.rank) continue;  // from a device of this rank, while packing
         std::memcpy(output,
                     m.receive.data() + PermuteSlots::ReceiveSlot(g, g.pairs[i], me) * row, row);
       }
+      if (!sent_to) std::memset(output, 0, out_bytes);  // zeros, as lax.ppermute
       break;
     }
   }
@@ -375,7 +405,7 @@ void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
       m.send.resize(in_bytes), m.receive.resize(L * row);
       break;
     case kMeetAlltoall:
-      m.send.resize(P * L * L * row), m.receive.resize(P * L * L * row);
+      m.send.resize((P - 1) * L * L * row), m.receive.resize((P - 1) * L * L * row);
       break;
     case kMeetPermute: {
       const PermuteSlots slots(g);
@@ -437,16 +467,19 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
                  "once (local device " + std::to_string(device) + ")";
   }
   m.inputs[index] = c.in;
+  m.outputs[index] = c.out;
   m.devices[index] = device;
   if (index + 1 == m.expected) {
     // Every thread of the previous call has arrived here, so none still reads
     // its error or buffers.  The arrivals go in device order, the leader first.
     m.error.clear();
     if (m.mismatch.empty()) SizeBuffers(m, g, in_bytes);
-    std::pair<int32_t, const char*> arrivals[kMaxLocalDevices];
-    for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i]};
+    std::tuple<int32_t, const char*, char*> arrivals[kMaxLocalDevices];
+    for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i], m.outputs[i]};
     std::sort(arrivals, arrivals + m.expected);
-    for (int i = 0; i < m.expected; ++i) std::tie(m.devices[i], m.inputs[i]) = arrivals[i];
+    for (int i = 0; i < m.expected; ++i) {
+      std::tie(m.devices[i], m.inputs[i], m.outputs[i]) = arrivals[i];
+    }
   }
   m.arrived.store(index + 1);
   m.changed.notify_all();
