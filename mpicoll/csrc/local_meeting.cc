@@ -43,7 +43,11 @@ namespace {
 //   kind            pack (every device at once)       MPI (leader)         device k takes
 //   allreduce       1/L of the reduction of the L      MPI_Allreduce        the whole result
 //                   inputs (slices in parallel)        in place
-//   allgather       its row at place k                 MPI_Allgather        every row
+//   allgather       its row at place r * L + k of the  MPI_Allgather in     every row: the
+//                   leader's OUTPUT                    place, into it       leader has them;
+//                                                                           the others copy
+//                                                                           them (the leader
+//                                                                           waits for that)
 //   reduce_scatter  1/L of the reduction (as above)    reduce-scatter of    row k
 //                                                      blocks of L rows
 //   alltoall        its row for (r, k') at             MPI_Alltoallv of     (r, k)'s row for
@@ -113,6 +117,7 @@ struct LocalMeeting {
   std::atomic<uint64_t> generation{0};  // calls completed
   std::atomic<int> arrived{0};
   std::atomic<int> packed{0};  // threads done packing in this call
+  std::atomic<int> copied{0};  // allgather: threads done copying the leader's output
   int expected = 0;
   size_t bytes = 0;
   int64_t kind = -1;
@@ -160,6 +165,7 @@ struct Meeting {
   size_t row_bytes;
   ffi::Span<const int64_t> pairs;  // permute: (source row, destination row) pairs
   int64_t root;                    // bcast: the root participant's row
+  const char* gathered = nullptr;  // allgather: the leader's output, every row in it
 };
 
 // Slice `part` of the reduction of the L inputs (in device order, so the
@@ -231,8 +237,8 @@ ffi::Error Pack(LocalMeeting& m, const Call& c, const Meeting& g, const char* in
     case kMeetReduceScatter:
     case kMeetReduce:
       return ReduceLocalSlice(m, c, g.part, m.send.data());
-    case kMeetAllgather:
-      std::memcpy(m.send.data() + g.part * row, input, row);
+    case kMeetAllgather:  // straight into the leader's output, where MPI gathers in place
+      std::memcpy(m.outputs[0] + (static_cast<size_t>(g.rank) * L + g.part) * row, input, row);
       break;
     case kMeetAlltoall:
       // Rows for this rank's own devices go straight into their outputs: every
@@ -290,8 +296,8 @@ ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t dev
       c.in = c.out = m.send.data();
       c.in_count = c.out_count = row;
       return Execute<AllreduceOp>(c, device, memory, described("allreduce", true, false));
-    case kMeetAllgather:
-      c.in = m.send.data(), c.out = m.receive.data();
+    case kMeetAllgather:  // in place, in the leader's own output (Pack)
+      c.in = c.out = m.outputs[0];
       c.in_count = L * row, c.out_count = P * L * row;
       c.name = AllgatherOp::kName, c.mpi_op = MPI_OP_NULL;
       return Execute<AllgatherOp>(c, device, memory, described("allgather", false, false));
@@ -348,7 +354,7 @@ void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_by
       std::memcpy(output, m.send.data(), out_bytes);
       break;
     case kMeetAllgather:
-      std::memcpy(output, m.receive.data(), out_bytes);
+      if (g.part != 0) std::memcpy(output, g.gathered, out_bytes);  // the leader's has them
       break;
     case kMeetReduce:
       if (g.root == static_cast<int64_t>(g.rank) * L + g.part) {
@@ -398,8 +404,8 @@ void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
     case kMeetReduce:
       m.send.resize(row), m.receive.resize(row);
       break;
-    case kMeetAllgather:
-      m.send.resize(L * row), m.receive.resize(P * L * row);
+    case kMeetAllgather:  // none: the rows meet in the leader's output
+      m.send.clear(), m.receive.clear();
       break;
     case kMeetReduceScatter:
       m.send.resize(in_bytes), m.receive.resize(L * row);
@@ -494,6 +500,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
   if (m.generation.load() == generation) {  // everyone is here, nobody has published yet
     const int32_t leader = m.devices[0];
     g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
+    g.gathered = m.outputs[0];  // read now: the next call's arrivals rewrite m.outputs
     std::string failed = m.mismatch;
     if (failed.empty()) {
       lock.unlock();
@@ -528,9 +535,22 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
   }
   // Until this thread arrives at the next call, nobody writes the buffers or m.error.
   const std::string error = m.error;
+  const int others = m.expected - 1;
   lock.unlock();
   if (!error.empty()) return ffi::Error::Internal(error);
   Unpack(m, g, c.out, out_bytes);
+  if (kind == kMeetAllgather && others > 0) {
+    // The others copy from the leader's output: it stays XLA's until they have.
+    lock.lock();
+    if (g.part != 0) {
+      m.copied.store(m.copied.load() + 1);
+      m.changed.notify_all();
+    } else {
+      InFlightScope watched(waiting, device, /*new_call=*/false);
+      AwaitLocal(m, lock, [&] { return m.copied.load() == others; });
+      m.copied.store(0);  // before the leader's next call, so before anyone's next copy
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -51,8 +51,9 @@ inline int GatherChunk(const Call& c, const Chunk& k) {
 inline int AllgatherChunk(const Call& c, const Chunk& k) {
   RankBlocks out(c, k);
   if (out.rc != MPI_SUCCESS) return out.rc;
-  return MPI_Allgather(c.in + k.at(c), k.count, c.type, c.out + k.at(c), out.count, out.type,
-                       c.comm);
+  // In place (the local meeting): this rank's block is already at its place in out.
+  const void* send = InPlace(c) ? MPI_IN_PLACE : c.in + k.at(c);
+  return MPI_Allgather(send, k.count, c.type, c.out + k.at(c), out.count, out.type, c.comm);
 }
 
 inline int ScatterChunk(const Call& c, const Chunk& k) {
