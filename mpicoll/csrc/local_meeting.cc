@@ -79,11 +79,13 @@ namespace {
 // the next call cannot mix with one still copying out, because the next call
 // cannot finish (nor, since only the last arrival resizes the buffers, touch
 // them) before that thread arrives too.  Inputs are read, and other devices'
-// outputs written (alltoall's and permute's rows within the rank), only while
-// packing, when every thread is still inside the call, so no XLA buffer is
-// touched after its thread has returned.  Waiting threads are watched by the timeout like an
-// MPI wait; a short spin before sleeping keeps the wake-up off the futex path
-// at small sizes.
+// outputs written (alltoall's and permute's rows within the rank, allgather's
+// rows into the leader's output), only while packing, when every thread is
+// still inside the call; the one buffer read later, the leader's allgather
+// output, is read while the leader waits for it.  So no XLA buffer is touched
+// after its thread has returned.  Waiting threads are watched by the timeout
+// like an MPI wait; a short spin before sleeping keeps the wake-up off the
+// futex path at small sizes.
 enum MeetingKind : int64_t {
   kMeetAllreduce = 0,
   kMeetAllgather = 1,
