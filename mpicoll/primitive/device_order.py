@@ -19,7 +19,7 @@ import numpy as np
 from .. import _compat
 from ..runtime import native as _native, settings as _settings
 from .._compat import dispatch_hooks
-from .define import MPIEffect
+from .define import MPIEffect, lowering_eagerly
 
 
 class DeviceOrderDispatch:
@@ -34,6 +34,11 @@ class DeviceOrderDispatch:
     devices (pmap, shard_map) keep runtime tokens; they only wait for earlier
     multi-device programs, so a fence orders them against single-device ones in
     both directions (fence_multi_device_token, fence_after_multi_device_token).
+    Fences are needed only once a jitted single-device program with a collective
+    has been lowered here (until then, a shard_map or pmap program costs no
+    fence): eager calls, the other single-device programs, wait for the
+    unfenced multi-device programs instead (after_pending_programs), and the
+    first such jitted program waits for them when it is lowered.
 
     `active` is read when a program is lowered (a compiled program keeps the way
     it was lowered) and when a multi-device program is dispatched.
@@ -45,6 +50,11 @@ class DeviceOrderDispatch:
         self.installed = False
         self._in_module = dispatch_hooks.InModuleToken(effect_type)
         self._fence = None
+        # Whether a jitted (not eager) single-device program with an in-module token
+        # has been lowered in this process: from then on multi-device programs are
+        # fenced.  Before, the last multi-device program dispatched without fences.
+        self._single_device_programs = False
+        self._unfenced = None
 
     def _applies(self, closed_jaxpr, num_devices, platforms):
         # A program over several processes' devices (a global mesh after
@@ -55,9 +65,15 @@ class DeviceOrderDispatch:
                 and any(isinstance(e, self.effect_type) for e in closed_jaxpr.effects))
 
     def _rewrite(self, closed_jaxpr, num_devices, platforms):
-        if self._applies(closed_jaxpr, num_devices, platforms):
-            return self._in_module.form(closed_jaxpr)
-        return None
+        if not self._applies(closed_jaxpr, num_devices, platforms):
+            return None
+        if not lowering_eagerly[0] and not self._single_device_programs:
+            # It may be queued on a device while a multi-device program runs
+            # there: fence multi-device programs from now on, and let the
+            # unfenced ones finish before it can run.
+            self._single_device_programs = True
+            self.wait_for_unfenced()
+        return self._in_module.form(closed_jaxpr)
 
     def install(self):
         """Hook JAX's lowering and runtime tokens; False (nothing changed) where JAX's
@@ -79,13 +95,26 @@ class DeviceOrderDispatch:
         return self.active and isinstance(eff, self.effect_type)
 
     def _token_input(self, eff, devices, token):
-        if self._mine(eff) and len(devices) > 1:
+        if self._mine(eff) and len(devices) > 1 and self._single_device_programs:
             return self.fence_multi_device_token(token)
         return token
 
     def _after_token_result(self, eff, token):
-        if self._mine(eff):
+        if not self._mine(eff):
+            return
+        if self._single_device_programs:
             self.fence_after_multi_device_token(token)
+            return
+        array = dispatch_hooks.token_array(token)
+        if array is not None and self._on_cpu_devices(array):
+            self._unfenced = token
+
+    def wait_for_unfenced(self):
+        """Wait for the last multi-device program dispatched without fences (and so for
+        every earlier one: each waited for its token)."""
+        token, self._unfenced = self._unfenced, None
+        if token is not None:
+            token.block_until_ready()
 
     def _before_barrier(self):
         # jax.effects_barrier(): programs without runtime tokens are done too.
@@ -241,11 +270,14 @@ def after_pending_programs():
 
     In device-order mode on a CPU-only process the eager program joins the same
     device queue behind them (and behind the fence of any multi-device
-    program), so nothing needs to wait; GPU programs and the tokens mode order
+    program), so only a multi-device program dispatched without fences
+    (DeviceOrderDispatch) is waited for; GPU programs and the tokens mode order
     by runtime tokens, so wait for them (effects_barrier).
     """
     if not (_device_order.active and _cpu_only_process()):
         jax.effects_barrier()
+    else:
+        _device_order.wait_for_unfenced()
 
 
 @functools.lru_cache(maxsize=None)

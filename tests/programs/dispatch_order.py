@@ -1,11 +1,18 @@
 """Device-order dispatch across kinds of programs, run as `mpiexec -n R python dispatch_order.py`.
 
-Each rank has 2 fake CPU devices.  In a Python loop, without waiting, it
-dispatches single-device programs on device 0 (several communicators, no data
-dependence between their collectives), pmap and shard_map programs over both
-devices (per-device collectives, runtime tokens) and eager calls, with
-rank-dependent local work so that the ranks' programs do not finish in step;
-then 100 multi-device programs back to back, none waited for (run ahead).
+Each rank has 2 fake CPU devices and dispatches, in a Python loop, without
+waiting, with rank-dependent local work so that the ranks' programs do not
+finish in step:
+
+1. before any jitted single-device program with a collective exists (so, in
+   device-order mode, multi-device programs go without fences): pmap and
+   shard_map programs over both devices, alternating with eager calls on
+   device 0's communicator;
+2. single-device programs on device 0 (several communicators, no data
+   dependence between their collectives), the same multi-device programs (now
+   fenced) and eager calls;
+
+and at the end of each, 100 multi-device programs back to back (run ahead).
 If a multi-device program overtook a pending single-device one on device 0 (or
 the reverse), device 0's calls would pair up differently on different ranks:
 wrong data or a hang (the watchdog and the launcher's timeout end it).  Every
@@ -64,6 +71,43 @@ sharded = jax.jit(jax.shard_map(lambda v: mpicoll.allgather(v, comm=COMMS[0])[No
 base = np.arange(4.0)
 others = [base + r for r in range(SIZE)]
 results = []
+# Run ahead: 100 multi-device programs dispatched back to back, none waited for,
+# once without fences (phase 1) and once with them (the end).  XLA's CPU client
+# makes a pool thread wait when a device holds 32 executions, and its pool is as
+# small as the device count on 2 cores: without mpicoll's bound on programs in
+# flight, the waiting threads starve the executions that would free them (a
+# hang, seen at 2 x 2).  Every third call is over the devices in the other
+# order: the last token's shards are regrouped for it (no copy, no wait).
+RUN_AHEAD = 100
+swapped = jax.pmap(lambda v: mpicoll.allreduce(v * 3, comm=COMMS[0]), axis_name="i",
+                   devices=DEVICES[::-1])
+
+
+def run_ahead(phase):
+    pair = np.stack([base + RANK, base + RANK + 10])
+    ahead = [(swapped if i % 3 == 2 else pmapped)(pair + i) for i in range(RUN_AHEAD)]
+    for i, out in enumerate(ahead):
+        stack = np.stack([o + i for o in others])
+        expected = np.stack([stack.sum(0), (stack + 10).sum(0)]) * 3
+        if not np.array_equal(np.asarray(out), expected):
+            failures.append(f"run-ahead call {i} ({phase}): {np.asarray(out)} != {expected}")
+
+
+# Phase 1, before any jitted single-device program with a collective exists here:
+# multi-device programs go without fences (device order), and eager calls on
+# device 0's communicator must wait for them; on some ranks the pmap is slow,
+# so an eager call that overtook it would pair with the wrong call.
+slow_pmapped = jax.pmap(lambda v: mpicoll.allreduce(busy(v, RANK) * 3, comm=COMMS[0]),
+                        axis_name="i", devices=DEVICES)
+for step in range(STEPS // 3):
+    x = jax.device_put(base + RANK + step, DEVICES[0])
+    pair = np.stack([base + RANK + step, base + RANK + step + 10])
+    results.append(("pmap", step, (slow_pmapped if (step + RANK) % 2 else pmapped)(pair)))
+    results.append(("eager", step, mpicoll.allreduce(x, comm=COMMS[0])))
+    results.append(("shard_map", step, sharded(pair)))
+run_ahead("unfenced")
+# Phase 2: the first single-device program below is lowered while those may still
+# run (it waits for them), and from then on multi-device programs are fenced.
 for step in range(STEPS):
     x = jax.device_put(base + RANK + step, DEVICES[0])
     results.append(("single", step, single[step % 2](x)))
@@ -73,23 +117,7 @@ for step in range(STEPS):
         results.append(("eager", step, mpicoll.allreduce(x, comm=COMMS[0])))
     results.append(("shard_map", step, sharded(pair)))
 
-# Run ahead: 100 multi-device programs dispatched back to back, none waited for.
-# XLA's CPU client makes a pool thread wait when a device holds 32 executions,
-# and its pool is as small as the device count on 2 cores: without mpicoll's
-# bound on programs in flight, the waiting threads starve the executions that
-# would free them (a hang, seen at 2 x 2).
-RUN_AHEAD = 100
-pair = np.stack([base + RANK, base + RANK + 10])
-# Every third call over the devices in the other order: the last token's shards
-# are regrouped for it (no copy, no wait).
-swapped = jax.pmap(lambda v: mpicoll.allreduce(v * 3, comm=COMMS[0]), axis_name="i",
-                   devices=DEVICES[::-1])
-ahead = [(swapped if i % 3 == 2 else pmapped)(pair + i) for i in range(RUN_AHEAD)]
-for i, out in enumerate(ahead):
-    stack = np.stack([o + i for o in others])
-    expected = np.stack([stack.sum(0), (stack + 10).sum(0)]) * 3
-    if not np.array_equal(np.asarray(out), expected):
-        failures.append(f"run-ahead call {i}: {np.asarray(out)} != {expected}")
+run_ahead("fenced")
 
 for kind, step, out in results:
     stack = np.stack([o + step for o in others])
