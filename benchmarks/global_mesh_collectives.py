@@ -116,9 +116,10 @@ def reference(name, everyone, count, n):
     return np.broadcast_to(everyone.sum(0), everyone.shape) * 0.5
 
 
-def measure(jax, args, synchronize, slowest, per_call_rows=True):
+def measure(jax, args, synchronize, slowest, gloo=False):
     """Every collective at both sizes, and the per-call rows, over the global mesh of
-    the JAX job this process is in (mpicoll's or gloo's): {(name, label): [s per call]}."""
+    the JAX job this process is in (mpicoll's, or with gloo=True JAX's own):
+    {(name, label): [s per call]}."""
     from jax import lax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -160,16 +161,18 @@ def measure(jax, args, synchronize, slowest, per_call_rows=True):
         for name in NAMES:
             try:
                 once = jax.block_until_ready(program(bodies[name])(x))
-            except NotImplementedError:  # JAX alone has no CPU lowering of pbroadcast
-                continue
+            except NotImplementedError:
+                if gloo and name == "pbroadcast":  # JAX has no CPU lowering of it
+                    continue
+                raise
             got = np.asarray(once.addressable_data(0))
             np.testing.assert_allclose(got, reference(name, everyone, count, n)[rank * local],
                                        rtol=1e-4, atol=1e-3 * count)
             loop = program(lambda v, body=bodies[name]: lax.fori_loop(
                 0, args.inner, lambda i, v: body(v), v))
             results[name, label] = timed(lambda: jax.block_until_ready(loop(x)), args.inner)
-    if not per_call_rows:
-        return results
+    if gloo:  # 200 asynchronous dispatches over several devices deadlock XLA's in-process
+        return results  # rendezvous on a small machine (2 cores): no per-call rows
     # Per call (issue 34's item 3): 200 dispatches of a jitted shard_map, 16 B per
     # device: a psum over the process axis alone, a body with no collective (JAX's
     # own cost of a call at L devices), and a psum over the device axis alone.
@@ -194,9 +197,7 @@ def measure(jax, args, synchronize, slowest, per_call_rows=True):
 def gloo_worker(args):
     """In a child process of each rank: the same measurements on JAX's gloo."""
     jax = jax_gloo.initialize(args)
-    # No per-call rows: 200 asynchronous dispatches of a shard_map psum over several
-    # devices deadlock in XLA's in-process rendezvous on a small machine (2 cores).
-    results = measure(jax, args, lambda: None, lambda t: t, per_call_rows=False)
+    results = measure(jax, args, lambda: None, lambda t: t, gloo=True)
     jax_gloo.emit(dict(times=[[name, label, times] for (name, label), times in results.items()]))
     jax_gloo.shutdown()
 

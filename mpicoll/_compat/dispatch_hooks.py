@@ -7,6 +7,7 @@ each hook feature-detected: it returns False and changes nothing where JAX's
 internals are not as expected.
 """
 
+import collections
 import inspect
 import re
 import weakref
@@ -84,10 +85,10 @@ def install_runtime_token_fast_path(max_ahead):
             token = regrouped(array, devices) if set(held) == set(devices) else None
             if token is None:
                 return original(self, eff, devices)
-        in_flight = self.__dict__.setdefault("mpicoll_in_flight", [])
+        in_flight = self.__dict__.setdefault("mpicoll_in_flight", collections.deque())
         in_flight.append(token)
         if len(in_flight) > max_ahead:
-            in_flight.pop(0).block_until_ready()
+            in_flight.popleft().block_until_ready()
         self.current_tokens[eff] = token
         return token
 

@@ -48,13 +48,10 @@ def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=()):
     destination row); root: bcast's row; groups: each local device's group,
     where the devices meet in several groups (each over its own `local`).
     invariant: for an allgather typed invariant over mesh axes (JAX's
-    all_gather_invariant), (those axes, the rank-major row of each participant
-    in their order); its transpose is then this participant's own row."""
+    all_gather_invariant), a tuple (those axes, the rank-major row of each
+    participant in their order); its transpose is then this participant's own row."""
     x = _typing.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
-    if invariant:
-        axes, rows = invariant
-        invariant = (tuple(axes), tuple(int(row) for row in rows))
     return local_meeting_p.bind(x, kind=kind, comm=comm.slot, size=comm.size, local=local,
                                 pairs=flat, root=int(root), groups=tuple(groups),
                                 invariant=invariant)
@@ -71,10 +68,8 @@ def _shape(shape, kind, participants):
 def _abstract_eval(x, *, kind, comm, size, local, invariant=(), **params):
     out = _compat.aval_with_shape(x, _shape(x.shape, kind, size * local))
     if invariant:  # the same gathered rows on every participant of the axes
-        return _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0])), {
-            mpi_effect}
-    axes = set(_typing.typed_axes(comm))
-    if axes:
+        out = _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0]))
+    elif axes := set(_typing.typed_axes(comm)):
         out = _compat.with_varying_axes(out, _compat.varying_axes(x) | axes)
     return out, {mpi_effect}
 

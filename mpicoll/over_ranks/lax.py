@@ -88,6 +88,8 @@ class _Participants:
             order = (j % local) * comm.size + j // local
         self.order = None if order is None or (np.asarray(order) == np.arange(count)).all() \
             else np.asarray(order)
+        # rows_of[p]: the rank-major row of the participant at p in the axes' order
+        self._rows_of = None if self.order is None else np.argsort(self.order)
 
     def rank_major(self, rows):
         """Rows indexed in the axes' order, reordered rank-major (row r * L + k)."""
@@ -95,11 +97,16 @@ class _Participants:
 
     def axes_order(self, rows):
         """Rows indexed rank-major, reordered as the axes name the participants."""
-        return rows if self.order is None else rows[np.argsort(self.order)]
+        return rows if self.order is None else rows[self._rows_of]
 
     def rank_major_index(self, participant):
         """The rank-major row (r * L + k) of a participant given in the axes' order."""
-        return participant if self.order is None else int(np.argsort(self.order)[participant])
+        return participant if self.order is None else int(self._rows_of[participant])
+
+    def rank_major_rows(self):
+        """rank_major_index of every participant, in the axes' order."""
+        return tuple(range(self.count)) if self.order is None else tuple(
+            int(row) for row in self._rows_of)
 
     def meets(self):
         """Whether the local devices meet in mpicoll's handler for a collective that
@@ -204,7 +211,7 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
     varying = not (invariant and _vma())
     if who.layout == WHOLE:
-        typed = () if varying else (who.axes, [who.rank_major_index(p) for p in range(who.count)])
+        typed = () if varying else (tuple(who.axes), who.rank_major_rows())
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
         rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
