@@ -115,8 +115,26 @@ def _settings_report():
         elif field.name == "abort_on_error" and value is None:
             value, where = failures.abort_on_error_installed(), \
                 "default (on with more than one rank)"
+        if field.name == "dispatch" and value == "device-order":
+            where += _multi_device_dispatch()
         rows.append((field.name, value, where))
     return rows
+
+
+def _multi_device_dispatch():
+    """How device order dispatches programs over several CPU devices here (docs/design.md)."""
+    import jax
+
+    from mpicoll.primitive import device_order
+
+    devices = len(jax.local_devices(backend="cpu"))
+    if devices < 2:
+        return ""
+    threads = device_order.xla_cpu_pool_threads()
+    if device_order.chain_safe():
+        return f"; shard_map/pmap on the fast path too (XLA's pool: {threads} threads)"
+    return (f"; shard_map/pmap keep runtime tokens (XLA's pool: {threads} threads for "
+            f"{devices} devices; PJRT_NPROC={2 * devices} puts them on the fast path)")
 
 
 def _settings_lines(reports):

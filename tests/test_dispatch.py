@@ -10,6 +10,7 @@ communicators, and that multi-device programs keep it too (a separate job
 with two local devices per rank).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -170,9 +171,38 @@ def test_effects_barrier_waits_for_device_order_programs(dispatch):
 
 
 @serial_only
-@pytest.mark.parametrize("mode", ["device-order", "tokens"])
-def test_single_and_multi_device_programs_and_eager_calls_keep_one_order(mode):
+@pytest.mark.parametrize("mode,pool", [("device-order", ""), ("device-order", "4"),
+                                       ("tokens", "")])
+def test_single_and_multi_device_programs_and_eager_calls_keep_one_order(mode, pool):
+    """pool: XLA's CPU thread pool (PJRT_NPROC; "" = the cores, 2 here).  With two
+    threads per device, multi-device programs carry their token in the module
+    (XLA's chain of multi-device executions orders them) and the single-device ones
+    are fenced on that chain; with fewer, the reverse."""
     result = run_mpiexec(2, [sys.executable, PROGRAM, mode], timeout=240,
-                         env={"MPICOLL_TIMEOUT": "60"})
+                         env={"MPICOLL_TIMEOUT": "60", "PJRT_NPROC": pool})
     assert result.returncode == 0, result.summary()
-    assert f"ALL OK (2 ranks, {mode})" in result.stdout, result.summary()
+    assert f"ALL OK (2 ranks, {mode}" in result.stdout, result.summary()
+    if pool == "4":
+        assert f"ALL OK (2 ranks, {mode}, multi-device in module)" in result.stdout, \
+            result.summary()
+
+
+def test_xla_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
+    """PJRT_NPROC, else NPROC (a value that is not a number: the next), else the cores
+    this process may run on; at least the device count.  Multi-device programs carry
+    their token in the module only with two pool threads per CPU device."""
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("PJRT_NPROC", "7")
+    assert _device_order.xla_cpu_pool_threads() == 7
+    monkeypatch.setenv("PJRT_NPROC", "seven")
+    monkeypatch.setenv("NPROC", "5")
+    assert _device_order.xla_cpu_pool_threads() == 5
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.delenv("NPROC")
+    assert _device_order.xla_cpu_pool_threads() == max(len(os.sched_getaffinity(0)),
+                                                       len(jax.local_devices(backend="cpu")))
+    devices = len(jax.local_devices(backend="cpu"))
+    monkeypatch.setenv("PJRT_NPROC", str(2 * devices - 1))
+    assert not _device_order.chain_safe()
+    monkeypatch.setenv("PJRT_NPROC", str(2 * devices))
+    assert _device_order.chain_safe()

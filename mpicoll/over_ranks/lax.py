@@ -438,10 +438,10 @@ def _within_process(axes):
     """The participants of a collective over mpicoll.mesh()'s local axis alone,
     after jax.distributed: this process's devices, which meet in mpicoll's handler
     on CPU with no MPI peer, where XLA's own collective would be gloo's, a TCP
-    round trip inside the process.  In one JAX process (and on GPUs) XLA's own
-    in-process collectives stay: faster here at every size measured
-    (docs/jax-vocabulary.md)."""
-    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+    round trip inside the process (at any process count: gloo_in_process).
+    Without jax.distributed (and on GPUs) XLA's own in-process collectives stay:
+    faster here at every size measured (docs/jax-vocabulary.md)."""
+    if not _mesh_groups.gloo_in_process():
         return None
     devices = lax.axis_size(axes)
     return _Participants(_this_process(tuple(axes)), WHOLE, devices, local=devices)

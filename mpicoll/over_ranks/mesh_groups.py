@@ -31,9 +31,19 @@ WHOLE = "whole"  # every device of every rank of comm, with no local axis of the
 # the program is lowered: primitive/define.py), so which devices a collective over
 # some axes groups together follows from the mesh's shape alone.
 
+def gloo_in_process():
+    """Whether XLA's own CPU collectives go over gloo even between one process's
+    devices: after jax.distributed (mpicoll.distributed.initialize() or JAX's own),
+    at any process count.  Those hang under asynchronous dispatch (no bound on the
+    programs in flight, docs/jax-vocabulary.md), so mpicoll's meeting runs them."""
+    return jax.distributed.is_initialized() and jax.default_backend() == "cpu"
+
+
 def global_mesh():
-    """(axis names, sizes) of the mesh traced now if it spans every process's devices."""
-    if jax.process_count() == 1:
+    """(axis names, sizes) of the mesh traced now if it spans every process's
+    devices and mpicoll runs its collectives: several processes, or one after
+    jax.distributed on CPU (gloo_in_process)."""
+    if jax.process_count() == 1 and not gloo_in_process():
         return None
     names, sizes = _compat.current_mesh_shape()
     if math.prod(sizes) != jax.device_count():

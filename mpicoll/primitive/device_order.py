@@ -1,8 +1,9 @@
 """How a jitted program's MPI calls are ordered after the previous program's (docs/design.md).
 
-"device-order": a program on one CPU device is lowered with its MPI ordering
-token created inside it, so that JAX dispatches it on its C++ fast path and
-XLA's per-device queue keeps program order.  "tokens": JAX's runtime tokens
+"device-order": a CPU program (single-device, or over several devices: see
+DeviceOrderDispatch) is lowered with its MPI ordering token created inside it,
+so that JAX dispatches it on its C++ fast path and XLA's queues keep program
+order.  "tokens": JAX's runtime tokens
 thread the order from program to program (JAX's Python dispatch path), as every
 program on GPU and the serialized mode use.  The serialized mode needs each
 dispatch to wait for its program, which only the runtime tokens let mpicoll do,
@@ -12,6 +13,7 @@ so it keeps "tokens".  Where JAX's internals are not as expected the hooks
 """
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -22,23 +24,70 @@ from .._compat import dispatch_hooks
 from .define import MPIEffect, lowering_eagerly
 
 
+def xla_cpu_pool_threads():
+    """The threads of XLA's CPU client pool, as XLA sizes it: PJRT_NPROC (or NPROC)
+    where set, else the cores this process may run on; at least one per device."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "").strip()
+        if value.lstrip("-").isdigit():
+            threads = max(0, int(value))
+            break
+    else:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+    return max(threads, _cpu_devices_here())
+
+
+def chain_safe():
+    """Whether multi-device programs may be dispatched with no bound on those in
+    flight: XLA admits 32 executions per device and makes a pool thread WAIT for a
+    free slot (one per device of the program being dispatched, while the
+    dispatching thread waits for them), and the program at the head of the chain
+    needs a pool thread per device at once; with fewer than two threads per
+    device, the waiting threads starve it (a deadlock, plain JAX's too: its
+    in-process collectives time out there).  PJRT_NPROC=2*devices makes it so on
+    a machine with fewer cores."""
+    return xla_cpu_pool_threads() >= 2 * _cpu_devices_here()
+
+
+def _cpu_devices_here():
+    try:
+        return len(jax.local_devices(backend="cpu"))
+    except RuntimeError:  # no CPU backend
+        return 1
+
+
 class DeviceOrderDispatch:
-    """Programs on one CPU device order their MPI calls by the device's queue, not by
+    """Programs on CPU devices order their MPI calls by XLA's execution queues, not by
     JAX's runtime tokens, so that JAX dispatches them on its C++ fast path.
 
-    Why it is safe: XLA's CPU client runs the single-device executions of one device
-    in the order they were enqueued (each waits for the device's last enqueued
-    execution), and every program's custom calls run in program order (JAX still
-    threads the effect's token through the program; the token now starts inside
-    the module instead of coming from the previous program).  Programs on several
-    devices (pmap, shard_map) keep runtime tokens; they only wait for earlier
-    multi-device programs, so a fence orders them against single-device ones in
-    both directions (fence_multi_device_token, fence_after_multi_device_token).
-    Fences are needed only once a jitted single-device program with a collective
-    has been lowered here (until then, a shard_map or pmap program costs no
-    fence): eager calls, the other single-device programs, wait for the
-    unfenced multi-device programs instead (after_pending_programs), and the
-    first such jitted program waits for them when it is lowered.
+    Why it is safe: XLA's CPU client runs the single-device executions of one
+    device in the order they were enqueued (each waits for the device's last
+    enqueued execution), and it runs multi-device executions one after another
+    (every part of one waits for every part of the one before: its "collective
+    launch" chain); every program's custom calls run in program order (JAX
+    still threads the effect's token through the program; the token starts
+    inside the module instead of coming from the previous program).  The two
+    queues are not ordered against each other, so in-module tokens go to one
+    kind of program per process, whichever is lowered first:
+
+    - single-device programs (jitted, with a collective): multi-device programs
+      (pmap, shard_map) keep runtime tokens, which only wait for earlier
+      multi-device programs, and a fence orders them against single-device ones
+      in both directions (fence_multi_device_token,
+      fence_after_multi_device_token);
+    - multi-device programs, where XLA's thread pool has two threads per local
+      device (chain_safe): single-device jitted programs keep runtime tokens,
+      and each waits for the multi-device programs before it (a multi-device
+      fence program on the chain) and is waited for before its dispatch
+      returns.
+
+    Eager calls, also single-device programs, wait for the pending multi-device
+    programs (after_pending_programs) and complete before they return.  Until
+    either kind is lowered, multi-device programs with runtime tokens run
+    unfenced (the pool too small for the chain): eager calls wait for them,
+    and the first jitted single-device program waits for them when it is
+    lowered.
 
     `active` is read when a program is lowered (a compiled program keeps the way
     it was lowered) and when a multi-device program is dispatched.
@@ -50,30 +99,44 @@ class DeviceOrderDispatch:
         self.installed = False
         self._in_module = dispatch_hooks.InModuleToken(effect_type)
         self._fence = None
-        # Whether a jitted (not eager) single-device program with an in-module token
-        # has been lowered in this process: from then on multi-device programs are
-        # fenced.  Before, the last multi-device program dispatched without fences.
+        # Which kind of program has its token in the module (see the class doc):
+        # a jitted (not eager) single-device program with a collective, or a
+        # multi-device one.  At most one of them is set.
         self._single_device_programs = False
-        self._unfenced = None
+        self._multi_device_programs = False
+        self._unfenced = None  # the last multi-device runtime token dispatched without fences
+        self._chain_fence_input = None
 
     def _applies(self, closed_jaxpr, num_devices, platforms):
-        # A program over several processes' devices (a global mesh after
-        # jax.distributed) runs on this process's devices alone: with one local
-        # device, its executions here queue on that device like any other.
-        on_one_device_here = num_devices == 1 or jax.local_device_count() == 1
-        return (self.active and on_one_device_here and tuple(platforms) == ("cpu",)
+        return (self.active and tuple(platforms) == ("cpu",)
                 and any(isinstance(e, self.effect_type) for e in closed_jaxpr.effects))
 
     def _rewrite(self, closed_jaxpr, num_devices, platforms):
         if not self._applies(closed_jaxpr, num_devices, platforms):
             return None
-        if not lowering_eagerly[0] and not self._single_device_programs:
-            # It may be queued on a device while a multi-device program runs
-            # there: fence multi-device programs from now on, and let the
-            # unfenced ones finish before it can run.
-            self._single_device_programs = True
-            self.wait_for_unfenced()
+        # A program over several processes' devices (a global mesh after
+        # jax.distributed) runs on this process's devices alone: with one local
+        # device, its executions here queue on that device like any other.
+        if num_devices == 1 or jax.local_device_count() == 1:
+            if lowering_eagerly[0]:
+                return self._in_module.form(closed_jaxpr)  # it waits and completes (above)
+            if self._multi_device_programs:
+                return None  # runtime tokens: fenced on the chain, and waited for
+            if not self._single_device_programs:
+                # It may be queued on a device while a multi-device program runs
+                # there: fence multi-device programs from now on, and let the
+                # unfenced ones finish before it can run.
+                self._single_device_programs = True
+                self.wait_for_unfenced()
+            return self._in_module.form(closed_jaxpr)
+        if self._single_device_programs or not chain_safe():
+            return None  # runtime tokens, fenced once single-device programs exist
+        self._multi_device_programs = True
         return self._in_module.form(closed_jaxpr)
+
+    def in_module_multi_device(self):
+        """Whether multi-device programs carry their token in the module (see above)."""
+        return self._multi_device_programs
 
     def install(self):
         """Hook JAX's lowering and runtime tokens; False (nothing changed) where JAX's
@@ -95,11 +158,20 @@ class DeviceOrderDispatch:
         return self.active and isinstance(eff, self.effect_type)
 
     def _token_input(self, eff, devices, token):
-        if self._mine(eff) and len(devices) > 1 and self._single_device_programs:
+        if self._multi_device_programs and isinstance(eff, self.effect_type) \
+                and len(devices) == 1:
+            self.wait_for_multi_device_programs()
+        elif self._mine(eff) and len(devices) > 1 and self._single_device_programs:
             return self.fence_multi_device_token(token)
         return token
 
     def _after_token_result(self, eff, token):
+        if self._multi_device_programs and isinstance(eff, self.effect_type):
+            array = dispatch_hooks.token_array(token)
+            if array is not None and len(array.sharding.device_set) == 1:
+                # Later multi-device programs would not wait for it: done first.
+                token.block_until_ready()
+            return
         if not self._mine(eff):
             return
         if self._single_device_programs:
@@ -108,6 +180,19 @@ class DeviceOrderDispatch:
         array = dispatch_hooks.token_array(token)
         if array is not None and self._on_cpu_devices(array):
             self._unfenced = token
+
+    def wait_for_multi_device_programs(self):
+        """Wait until every multi-device program dispatched so far has run: a fence
+        program over this process's CPU devices joins XLA's chain of multi-device
+        executions behind them."""
+        if self._chain_fence_input is None:
+            devices = jax.local_devices(backend="cpu")  # several: a multi-device program ran
+            with dispatch_hooks.outside_meshes():
+                self._chain_fence_input = jax.device_put(
+                    np.zeros(len(devices), bool),
+                    jax.sharding.NamedSharding(jax.sharding.Mesh(devices, "x"),
+                                               jax.sharding.PartitionSpec("x")))
+        self._fences([self._chain_fence_input])[0].block_until_ready()
 
     def wait_for_unfenced(self):
         """Wait for the last multi-device program dispatched without fences (and so for
@@ -118,7 +203,7 @@ class DeviceOrderDispatch:
 
     def _before_barrier(self):
         # jax.effects_barrier(): programs without runtime tokens are done too.
-        if self.active:
+        if self.active or self._multi_device_programs:
             self.wait_for_cpu_devices()
 
     def _fences(self, shards):
@@ -163,6 +248,8 @@ class DeviceOrderDispatch:
             devices = jax.local_devices(backend="cpu")
         except RuntimeError:  # no CPU backend
             return
+        if self._multi_device_programs:
+            self.wait_for_multi_device_programs()
         with jax.ensure_compile_time_eval():  # also when called while tracing
             fences = self._fences([jax.device_put(np.zeros(0, bool), device)
                                    for device in devices])
@@ -205,10 +292,13 @@ def set_dispatch(mode):
 
     Args:
         mode: "device-order" (the default where available; MPICOLL_DISPATCH
-            sets the initial mode): a program on one CPU device carries no
-            runtime token, JAX dispatches it on its C++ fast path and the
-            device's execution queue orders it; programs over several local
-            devices are fenced.  "tokens": every program with a collective
+            sets the initial mode): a CPU program carries no runtime token,
+            JAX dispatches it on its C++ fast path and XLA's execution queues
+            order it: single-device programs or multi-device ones (pmap,
+            shard_map), whichever kind is lowered first in the process (the
+            other kind keeps runtime tokens and is fenced; multi-device
+            programs only where XLA's pool has two threads per local device:
+            the cores, or PJRT_NPROC).  "tokens": every program with a collective
             takes and returns JAX's runtime token (JAX's Python dispatch path,
             about 180 us per call), as GPU programs and the serialized thread
             mode always do.
@@ -276,6 +366,8 @@ def after_pending_programs():
     """
     if not (_device_order.active and _cpu_only_process()):
         jax.effects_barrier()
+    elif _device_order.in_module_multi_device():
+        _device_order.wait_for_multi_device_programs()
     else:
         _device_order.wait_for_unfenced()
 

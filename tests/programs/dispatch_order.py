@@ -140,4 +140,7 @@ for kind, step, out in results:
 if failures:
     print("\n".join(failures))
     sys.exit(1)
-print(f"ALL OK ({SIZE} ranks, {mode})")
+# Which kind of program carried its token in the module (device order): the
+# multi-device ones where XLA's pool has two threads per device (PJRT_NPROC=4).
+chain = mpicoll.primitive.device_order._device_order.in_module_multi_device()
+print(f"ALL OK ({SIZE} ranks, {mode}{', multi-device in module' if chain else ''})")

@@ -5,7 +5,8 @@ from MPI, JAX's multi-process API and mpicoll's collectives beside it.
 
 Checked against numpy: the process ids and device counts, process_allgather,
 mpicoll's allreduce eagerly, under jit and over ranks x local devices (pmap),
-a second initialize() refused.  Prints "ALL OK (R ranks x L devices)".
+psum on a global mesh over each process's devices and over all (100 calls in
+flight), a second initialize() refused.  Prints "ALL OK (R ranks x L devices)".
 """
 
 import os
@@ -63,6 +64,32 @@ everyone = sum(np.arange(4, dtype=np.float32) * (r + 1) + k
 check("allreduce ranks x devices", np.allclose(np.asarray(out), everyone), out)
 gathered = np.asarray(mpicoll.allgather(jnp.asarray([RANK], jnp.int32)))
 check("allgather", np.array_equal(gathered, np.arange(SIZE)[:, None]), gathered)
+
+# A global mesh: psum over the devices of each process and over all of them, 100
+# calls dispatched without waiting.  Over the devices of one process XLA's own
+# collective would be gloo's, which hangs here under such a loop, at any
+# process count (one included); mpicoll's meeting runs it.
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+mesh = jax.make_mesh((SIZE, LOCAL), ("proc", "dev"))
+spec = P(("proc", "dev"))
+rows = np.arange(LOCAL * 2, dtype=np.float32).reshape(LOCAL, 2) + 100 * RANK
+array = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), rows)
+loops = {axes: jax.jit(jax.shard_map(lambda v, axes=axes: jax.lax.psum(v, axes), mesh=mesh,
+                                     in_specs=spec, out_specs=spec))
+         for axes in (("dev",), ("proc", "dev"))}
+everyone_rows = np.stack([np.arange(LOCAL * 2, dtype=np.float32).reshape(LOCAL, 2) + 100 * r
+                          for r in range(SIZE)])
+expected = {("dev",): np.broadcast_to(rows.sum(0), rows.shape),
+            ("proc", "dev"): np.broadcast_to(everyone_rows.sum((0, 1)), rows.shape)}
+for axes, program in loops.items():
+    outs = [program(array) for _ in range(100)]
+    for i, out in enumerate(outs):
+        mine_out = np.concatenate([np.asarray(s.data) for s in sorted(
+            out.addressable_shards, key=lambda s: s.device.id)])
+        if not np.array_equal(mine_out, expected[axes]):
+            check(f"global mesh psum over {axes}, call {i}", False, mine_out)
+            break
 
 try:
     mpicoll.distributed.initialize()
