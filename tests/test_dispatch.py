@@ -171,20 +171,22 @@ def test_effects_barrier_waits_for_device_order_programs(dispatch):
 
 
 @serial_only
-@pytest.mark.parametrize("mode,pool", [("device-order", ""), ("device-order", "4"),
-                                       ("tokens", "")])
-def test_single_and_multi_device_programs_and_eager_calls_keep_one_order(mode, pool):
+@pytest.mark.parametrize("mode,pool,first", [
+    ("device-order", "", ""), ("device-order", "4", ""), ("device-order", "4", "--single-first"),
+    ("tokens", "", "")])
+def test_single_and_multi_device_programs_and_eager_calls_keep_one_order(mode, pool, first):
     """pool: XLA's CPU thread pool (PJRT_NPROC; "" = the cores, 2 here).  With two
     threads per device, multi-device programs carry their token in the module
     (XLA's chain of multi-device executions orders them) and the single-device ones
-    are fenced on that chain; with fewer, the reverse."""
-    result = run_mpiexec(2, [sys.executable, PROGRAM, mode], timeout=240,
+    are fenced on that chain, unless a single-device program came first; with
+    fewer threads, the reverse."""
+    result = run_mpiexec(2, [sys.executable, PROGRAM, mode, first], timeout=240,
                          env={"MPICOLL_TIMEOUT": "60", "PJRT_NPROC": pool})
     assert result.returncode == 0, result.summary()
     assert f"ALL OK (2 ranks, {mode}" in result.stdout, result.summary()
     if pool == "4":
-        assert f"ALL OK (2 ranks, {mode}, multi-device in module)" in result.stdout, \
-            result.summary()
+        kind = ", single-device first" if first else ", multi-device in module"
+        assert f"ALL OK (2 ranks, {mode}{kind})" in result.stdout, result.summary()
 
 
 def test_xla_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):

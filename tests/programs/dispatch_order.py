@@ -5,7 +5,9 @@ waiting, with rank-dependent local work so that the ranks' programs do not
 finish in step:
 
 1. before any jitted single-device program with a collective exists (so, in
-   device-order mode, multi-device programs go without fences): pmap and
+   device-order mode, multi-device programs go without fences, or carry their
+   token in the module where XLA's pool has two threads per device; with
+   --single-first one runs before this phase, and they are fenced): pmap and
    shard_map programs over both devices, alternating with eager calls on
    device 0's communicator;
 2. single-device programs on device 0 (several communicators, no data
@@ -40,6 +42,10 @@ MESH = Mesh(np.array(DEVICES), ("i",))
 COMMS = [WORLD.Dup() for _ in range(3)]
 STEPS = 15
 mode = sys.argv[1] if len(sys.argv) > 1 else "device-order"
+# --single-first: a jitted single-device program runs before anything else, so
+# that in device order single-device programs carry their token in the module
+# and multi-device ones are fenced from the start, whatever XLA's pool size.
+SINGLE_FIRST = "--single-first" in sys.argv
 mpicoll.set_dispatch(mode)
 failures = []
 
@@ -93,6 +99,10 @@ def run_ahead(phase):
             failures.append(f"run-ahead call {i} ({phase}): {np.asarray(out)} != {expected}")
 
 
+if SINGLE_FIRST:
+    first = single[0](jax.device_put(base + RANK, DEVICES[0]))
+    results.append(("single", 0, first))
+
 # Phase 1, before any jitted single-device program with a collective exists here:
 # multi-device programs go without fences (device order), and eager calls on
 # device 0's communicator must wait for them; on some ranks the pmap is slow,
@@ -143,4 +153,5 @@ if failures:
 # Which kind of program carried its token in the module (device order): the
 # multi-device ones where XLA's pool has two threads per device (PJRT_NPROC=4).
 chain = mpicoll.primitive.device_order._device_order.in_module_multi_device()
-print(f"ALL OK ({SIZE} ranks, {mode}{', multi-device in module' if chain else ''})")
+print(f"ALL OK ({SIZE} ranks, {mode}{', multi-device in module' if chain else ''}"
+      f"{', single-device first' if SINGLE_FIRST else ''})")
