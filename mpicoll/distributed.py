@@ -30,6 +30,7 @@ import jax
 from mpi4py import MPI
 
 from . import _compat, topology
+from .primitive import device_order as _device_order
 
 _initialized = False
 
@@ -85,6 +86,11 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
     Note:
         SIGTERM does not end a process whose JAX runtime is distributed (JAX
         takes it as a preemption notice): bound jobs with `timeout -s KILL`.
+        Where the CPU devices asked for (XLA_FLAGS' host device count or
+        jax_num_cpu_devices) are more than half the cores, and PJRT_NPROC is
+        not set, it sets PJRT_NPROC to two per device: XLA's CPU pool then
+        lets shard_map/pmap programs with a collective take JAX's C++ fast
+        path (docs/settings.md).
 
     Example (any number of ranks)::
 
@@ -106,6 +112,7 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
         raise RuntimeError("mpicoll.distributed.initialize: JAX has already started its "
                            "backends (a JAX computation or jax.devices() ran, or an mpicoll "
                            "collective); call initialize() first, right after the imports")
+    _device_order.size_xla_cpu_pool()  # before the backends start (checked above)
     where = topology.world()  # collective (the first time): on every rank
     if local_device_ids == "node-local-rank":
         local_device_ids = [where.local_rank]

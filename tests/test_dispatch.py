@@ -172,21 +172,20 @@ def test_effects_barrier_waits_for_device_order_programs(dispatch):
 
 @serial_only
 @pytest.mark.parametrize("mode,pool,first", [
-    ("device-order", "", ""), ("device-order", "4", ""), ("device-order", "4", "--single-first"),
-    ("tokens", "", "")])
+    ("device-order", "4", ""), ("device-order", "4", "--single-first"),
+    ("device-order", "2", ""), ("tokens", "", "")])
 def test_single_and_multi_device_programs_and_eager_calls_keep_one_order(mode, pool, first):
-    """pool: XLA's CPU thread pool (PJRT_NPROC; "" = the cores, 2 here).  With two
-    threads per device, multi-device programs carry their token in the module
-    (XLA's chain of multi-device executions orders them) and the single-device ones
-    are fenced on that chain, unless a single-device program came first; with
-    fewer threads, the reverse."""
+    """pool: XLA's CPU thread pool (PJRT_NPROC).  With two threads per device,
+    multi-device programs carry their token in the module (XLA's chain of
+    multi-device executions orders them) and the single-device ones are fenced on
+    that chain, unless a single-device program came first; with fewer threads,
+    the reverse."""
     result = run_mpiexec(2, [sys.executable, PROGRAM, mode, first], timeout=240,
                          env={"MPICOLL_TIMEOUT": "60", "PJRT_NPROC": pool})
     assert result.returncode == 0, result.summary()
-    assert f"ALL OK (2 ranks, {mode}" in result.stdout, result.summary()
-    if pool == "4":
-        kind = ", single-device first" if first else ", multi-device in module"
-        assert f"ALL OK (2 ranks, {mode}{kind})" in result.stdout, result.summary()
+    kind = ("" if mode == "tokens" or pool == "2" else
+            ", single-device first" if first else ", multi-device in module")
+    assert f"ALL OK (2 ranks, {mode}{kind})" in result.stdout, result.summary()
 
 
 def test_xla_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
@@ -208,3 +207,27 @@ def test_xla_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
     assert not _device_order.chain_safe()
     monkeypatch.setenv("PJRT_NPROC", str(2 * devices))
     assert _device_order.chain_safe()
+
+
+def test_xla_cpu_pool_is_sized_for_the_devices_asked_for(monkeypatch):
+    """Before JAX starts: two pool threads per CPU device asked for, where the cores
+    are fewer; a PJRT_NPROC or NPROC of the user's is kept."""
+    monkeypatch.setattr(_compat, "backends_initialized", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(_device_order, "_pool_we_set", "")
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
+    _device_order.size_xla_cpu_pool()
+    assert os.environ["PJRT_NPROC"] == "6"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=5")
+    _device_order.size_xla_cpu_pool()  # asked for again (mpicoll.distributed.initialize)
+    assert os.environ["PJRT_NPROC"] == "10"
+    monkeypatch.setenv("PJRT_NPROC", "3")  # the user's
+    _device_order.size_xla_cpu_pool()
+    assert os.environ["PJRT_NPROC"] == "3"
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.setattr(_device_order, "_pool_we_set", "")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    _device_order.size_xla_cpu_pool()  # one device: the pool is XLA's
+    assert "PJRT_NPROC" not in os.environ

@@ -14,6 +14,7 @@ so it keeps "tokens".  Where JAX's internals are not as expected the hooks
 
 import functools
 import os
+import re
 
 import jax
 import numpy as np
@@ -48,6 +49,35 @@ def chain_safe():
     in-process collectives time out there).  PJRT_NPROC=2*devices makes it so on
     a machine with fewer cores."""
     return xla_cpu_pool_threads() >= 2 * _cpu_devices_here()
+
+
+def size_xla_cpu_pool():
+    """mpicoll.distributed.initialize(), before JAX starts its backends: where the
+    CPU devices asked for (the jax_num_cpu_devices option, else XLA_FLAGS' host
+    device count) outnumber half the cores, set PJRT_NPROC to two threads per
+    device, so that multi-device programs with a collective take the fast path
+    (chain_safe; 2 x 2 psum on 2 cores: 525-542 us per call -> 167-191).  A
+    PJRT_NPROC or NPROC of the user's stays.  Measured cost there: a multi-device
+    program without collective dispatches in 94-100 us instead of 38-54 (XLA's
+    idle pool threads spin on the cores the dispatching thread needs); a 2048^2
+    matmul is unchanged (98-102 ms with 2, 4 or 8 threads)."""
+    global _pool_we_set
+    if os.environ.get("PJRT_NPROC", "") != _pool_we_set or os.environ.get("NPROC", "").strip():
+        return  # the user's
+    if _compat.backends_initialized():
+        return  # XLA has sized its pool already
+    devices = getattr(jax.config, "jax_num_cpu_devices", -1)
+    if not isinstance(devices, int) or devices < 0:
+        found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                           os.environ.get("XLA_FLAGS", ""))
+        devices = int(found[-1]) if found else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    if devices > 1 and cores < 2 * devices:
+        _pool_we_set = os.environ["PJRT_NPROC"] = str(2 * devices)
+
+
+_pool_we_set = ""  # the PJRT_NPROC size_xla_cpu_pool set, which it may change again
 
 
 def _cpu_devices_here():
