@@ -189,7 +189,7 @@ class DeviceOrderDispatch:
 
     def _token_input(self, eff, devices, token):
         if self._multi_device_programs and isinstance(eff, self.effect_type) \
-                and len(devices) == 1:
+                and len(devices) == 1 and devices[0].platform == "cpu":
             self.wait_for_multi_device_programs()
         elif self._mine(eff) and len(devices) > 1 and self._single_device_programs:
             return self.fence_multi_device_token(token)
@@ -198,7 +198,8 @@ class DeviceOrderDispatch:
     def _after_token_result(self, eff, token):
         if self._multi_device_programs and isinstance(eff, self.effect_type):
             array = dispatch_hooks.token_array(token)
-            if array is not None and len(array.sharding.device_set) == 1:
+            if array is not None and len(array.sharding.device_set) == 1 \
+                    and next(iter(array.sharding.device_set)).platform == "cpu":
                 # Later multi-device programs would not wait for it: done first.
                 token.block_until_ready()
             return
