@@ -34,9 +34,14 @@ def xla_cpu_pool_threads():
             threads = max(0, int(value))
             break
     else:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
+        threads = _cores()
     return max(threads, _cpu_devices_here())
+
+
+def _cores():
+    """The cores this process may run on (XLA's count: its affinity mask)."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1))
 
 
 def chain_safe():
@@ -71,9 +76,7 @@ def size_xla_cpu_pool():
         found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
                            os.environ.get("XLA_FLAGS", ""))
         devices = int(found[-1]) if found else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else (os.cpu_count() or 1)
-    if devices > 1 and cores < 2 * devices:
+    if devices > 1 and _cores() < 2 * devices:
         _pool_we_set = os.environ["PJRT_NPROC"] = str(2 * devices)
 
 
