@@ -123,11 +123,9 @@ def _settings_report():
 
 def _multi_device_dispatch():
     """How device order dispatches programs over several CPU devices here (docs/design.md)."""
-    import jax
-
     from mpicoll.primitive import device_order
 
-    devices = len(jax.local_devices(backend="cpu"))
+    devices = device_order.cpu_device_count()
     if devices < 2:
         return ""
     threads = device_order.xla_cpu_pool_threads()

@@ -35,7 +35,7 @@ def xla_cpu_pool_threads():
             break
     else:
         threads = _cores()
-    return max(threads, _cpu_devices_here())
+    return max(threads, cpu_device_count())
 
 
 def _cores():
@@ -53,7 +53,7 @@ def chain_safe():
     device, the waiting threads starve it (a deadlock, plain JAX's too: its
     in-process collectives time out there).  PJRT_NPROC=2*devices makes it so on
     a machine with fewer cores."""
-    return xla_cpu_pool_threads() >= 2 * _cpu_devices_here()
+    return xla_cpu_pool_threads() >= 2 * cpu_device_count()
 
 
 def size_xla_cpu_pool():
@@ -83,7 +83,8 @@ def size_xla_cpu_pool():
 _pool_we_set = ""  # the PJRT_NPROC size_xla_cpu_pool set, which it may change again
 
 
-def _cpu_devices_here():
+def cpu_device_count():
+    """This process's CPU devices (1 where there is no CPU backend)."""
     try:
         return len(jax.local_devices(backend="cpu"))
     except RuntimeError:  # no CPU backend
@@ -201,8 +202,7 @@ class DeviceOrderDispatch:
     def _after_token_result(self, eff, token):
         if self._multi_device_programs and isinstance(eff, self.effect_type):
             array = dispatch_hooks.token_array(token)
-            if array is not None and len(array.sharding.device_set) == 1 \
-                    and next(iter(array.sharding.device_set)).platform == "cpu":
+            if array is not None and self._cpu_devices_of(array) == 1:
                 # Later multi-device programs would not wait for it: done first.
                 token.block_until_ready()
             return
@@ -212,7 +212,7 @@ class DeviceOrderDispatch:
             self.fence_after_multi_device_token(token)
             return
         array = dispatch_hooks.token_array(token)
-        if array is not None and self._on_cpu_devices(array):
+        if array is not None and self._cpu_devices_of(array) > 1:
             self._unfenced = token
 
     def wait_for_multi_device_programs(self):
@@ -254,16 +254,17 @@ class DeviceOrderDispatch:
             return [self._fence(shard) for shard in shards]
 
     @staticmethod
-    def _on_cpu_devices(array):
-        """A token over several CPU devices (GPU programs keep JAX's tokens alone)."""
+    def _cpu_devices_of(array):
+        """How many CPU devices a token's array spans; 0 where any is not a CPU (GPU
+        programs keep JAX's tokens alone)."""
         devices = array.sharding.device_set
-        return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        return len(devices) if all(d.platform == "cpu" for d in devices) else 0
 
     def fence_multi_device_token(self, token):
         """The token input of a multi-device program, ready only once every single-device
         program enqueued before it on its devices has run."""
         array = dispatch_hooks.token_array(token)
-        if array is None or not self._on_cpu_devices(array):
+        if array is None or self._cpu_devices_of(array) < 2:
             return token
         return dispatch_hooks.token_from_shards(
             token, self._fences([s.data for s in array.addressable_shards]))
@@ -272,7 +273,7 @@ class DeviceOrderDispatch:
         """After a multi-device program: on each of its devices, an execution that waits
         for its token, so that later single-device programs wait for it too."""
         array = dispatch_hooks.token_array(token)
-        if array is None or not self._on_cpu_devices(array):
+        if array is None or self._cpu_devices_of(array) < 2:
             return
         self._fences([s.data for s in array.addressable_shards])
 
