@@ -109,6 +109,9 @@ def _settings_report():
             value, where = now[field.name], f"set in the program ({where}: {value})"
         elif field.name == "trace" and not value:
             value = "off"
+        elif field.name == "gather_pieces" and not value:
+            value, where = "auto", ("default (4 pieces where this process may run on two "
+                                    "cores per local device, else whole)")
         elif field.name == "flight_dir" and not value:
             value, where = "per job", ("default (a folder of the job's own under "
                                        f"{tempfile.gettempdir()}, named when the ranks meet)")

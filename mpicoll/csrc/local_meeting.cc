@@ -3,6 +3,7 @@
 // devices allreduce of small arrays) whose L local device threads meet in this
 // process, so that ONE MPI collective moves the process's data.
 #include <mpi.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -44,9 +45,10 @@ namespace {
 //   allreduce       1/L of the reduction of the L      MPI_Allreduce        the whole result
 //                   inputs (slices in parallel)        in place
 //   allgather       its row at place r * L + k of the  MPI_Allgather in     every row: the
-//                   leader's OUTPUT                    place, into it       leader has them;
-//                                                                           the others copy
-//                                                                           them (the leader
+//                   leader's OUTPUT                    place, into it, in   leader has them;
+//                                                      pieces (below)       the others copy
+//                                                                           each piece as it
+//                                                                           lands (the leader
 //                                                                           waits for that)
 //   reduce_scatter  1/L of the reduction (as above)    reduce-scatter of    row k
 //                                                      blocks of L rows
@@ -120,6 +122,7 @@ struct LocalMeeting {
   std::atomic<int> arrived{0};
   std::atomic<int> packed{0};  // threads done packing in this call
   std::atomic<int> copied{0};  // allgather: threads done copying the leader's output
+  std::atomic<size_t> gathered{0};  // allgather: elements of every rank block final in it
   int expected = 0;
   size_t bytes = 0;
   int64_t kind = -1;
@@ -159,6 +162,59 @@ void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& rea
   lock.lock();
   m.changed.wait(lock, ready);
 }
+
+// allgather's pipeline.  Every device but the leader copies the whole gathered
+// output out of the leader's (L - 1 copies of the result: each device's output
+// is its own), and done after MPI, that copy adds to the call: 4 MiB per
+// process over 2 processes x 2 devices, MPI's 1.2-1.4 ms and then 1.1 ms of
+// copying.  So the leader can gather in pieces (each piece an element range of
+// every rank's block: a chunk, as for counts above INT_MAX or the GPU staging
+// pipeline, core/execute.h), publishing each as it lands, and the others copy
+// piece k while MPI moves piece k + 1.  That pays only where the copying
+// threads have cores of their own: each piece is an MPI call (4 pieces cost
+// MPICH 1.17x one call's time in shared memory), and on the 2-core machine,
+// where 2 processes x 2 devices share 2 cores, pieces made a 2 x 2 gather of
+// 4 MiB per process 10-15% slower in shared memory (and 15-25% faster at 2 x 4
+// over TCP between simulated hosts).  So by default (MPICOLL_GATHER_PIECES=0)
+// pieces are used where this process may run on two cores per local device;
+// MPICOLL_GATHER_PIECES=N asks for N pieces (1: whole).  A piece is never
+// under kGatherPieceBytes of every block.
+constexpr int kGatherPieces = 4;
+constexpr size_t kGatherPieceBytes = size_t{256} << 10;
+std::atomic<int> gather_pieces_asked{0};
+
+int GatherPieces(int local) {
+  if (const int asked = gather_pieces_asked.load(std::memory_order_relaxed); asked > 0) {
+    return asked;
+  }
+  static const int cores = [] {
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  }();
+  return cores >= 2 * local ? kGatherPieces : 1;
+}
+
+struct GatherPipeline : HostMemory {
+  LocalMeeting* meeting = nullptr;
+  size_t piece = kMaxChunk;  // elements of every block per MPI call
+  GatherPipeline(LocalMeeting& m, const Call& c, size_t block, int local) : meeting(&m) {
+    advise_huge_pages = false;  // the leader's output: the devices' rows are in it already
+    const size_t pieces = GatherPieces(local);
+    const size_t least = std::max<size_t>(1, kGatherPieceBytes / c.elem_bytes);
+    if (pieces > 1 && block >= 2 * least) {
+      piece = std::min(kMaxChunk, std::max(least, (block + pieces - 1) / pieces));
+    }
+  }
+  size_t ChunkElements(const Call&, size_t) const { return piece; }
+  int AfterChunk(const Call&, const Chunk& k) {
+    {
+      std::lock_guard<std::mutex> lock(meeting->mutex);  // a waiter cannot miss the change
+      meeting->gathered.store(k.offset + k.count);
+    }
+    meeting->changed.notify_all();
+    return MPI_SUCCESS;
+  }
+};
 
 // What one call of the meeting is: the participants and the row they exchange.
 struct Meeting {
@@ -298,11 +354,13 @@ ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t dev
       c.in = c.out = m.send.data();
       c.in_count = c.out_count = row;
       return Execute<AllreduceOp>(c, device, memory, described("allreduce", true, false));
-    case kMeetAllgather:  // in place, in the leader's own output (Pack)
+    case kMeetAllgather: {  // in place, in the leader's own output (Pack), in pieces
       c.in = c.out = m.outputs[0];
       c.in_count = L * row, c.out_count = P * L * row;
       c.name = AllgatherOp::kName, c.mpi_op = MPI_OP_NULL;
-      return Execute<AllgatherOp>(c, device, memory, described("allgather", false, false));
+      GatherPipeline pipeline(m, c, L * row, g.local);
+      return Execute<AllgatherOp>(c, device, pipeline, described("allgather", false, false));
+    }
     case kMeetReduceScatter:
       c.in = m.send.data(), c.out = m.receive.data();
       c.in_count = P * L * row, c.out_count = L * row;
@@ -355,8 +413,7 @@ void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_by
     case kMeetBcast:
       std::memcpy(output, m.send.data(), out_bytes);
       break;
-    case kMeetAllgather:
-      if (g.part != 0) std::memcpy(output, g.gathered, out_bytes);  // the leader's has them
+    case kMeetAllgather:  // copied piece by piece while the leader gathered (CopyGathered)
       break;
     case kMeetReduce:
       if (g.root == static_cast<int64_t>(g.rank) * L + g.part) {
@@ -391,6 +448,33 @@ void Unpack(const LocalMeeting& m, const Meeting& g, char* output, size_t out_by
       if (!sent_to) std::memset(output, 0, out_bytes);  // zeros, as lax.ppermute
       break;
     }
+  }
+}
+
+// allgather, on a device other than the leader: copies every piece of the
+// leader's output as it lands, until the leader publishes the call's end
+// (called and returning with the lock held).
+void CopyGathered(LocalMeeting& m, const Meeting& g, std::unique_lock<std::mutex>& lock,
+                  uint64_t generation, char* output, size_t elem_bytes) {
+  const size_t block = static_cast<size_t>(g.local) * g.row_bytes;  // bytes per rank
+  size_t copied = 0;  // bytes of every rank block
+  for (;;) {
+    AwaitLocal(m, lock, [&] {
+      return m.gathered.load() * elem_bytes > copied || m.generation.load() != generation;
+    });
+    // The end first: once it is published, so is every piece before it.
+    const bool ended = m.generation.load() != generation;
+    const size_t upto = m.gathered.load() * elem_bytes;
+    if (upto > copied) {
+      lock.unlock();
+      for (int r = 0; r < g.ranks; ++r) {
+        const size_t at = r * block + copied;
+        std::memcpy(output + at, g.gathered + at, upto - copied);
+      }
+      lock.lock();
+      copied = upto;
+    }
+    if (ended) return;
   }
 }
 
@@ -481,6 +565,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
     // Every thread of the previous call has arrived here, so none still reads
     // its error or buffers.  The arrivals go in device order, the leader first.
     m.error.clear();
+    m.gathered.store(0);
     if (m.mismatch.empty()) SizeBuffers(m, g, in_bytes);
     std::tuple<int32_t, const char*, char*> arrivals[kMaxLocalDevices];
     for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i], m.outputs[i]};
@@ -530,7 +615,11 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
       m.changed.notify_all();
     } else {
       InFlightScope watched(waiting, device, /*new_call=*/false);
-      AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
+      if (kind == kMeetAllgather) {
+        CopyGathered(m, g, lock, generation, c.out, c.elem_bytes);
+      } else {
+        AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
+      }
     }
   } else {
     g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
@@ -557,6 +646,8 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
 }
 
 }  // namespace
+
+void SetGatherPieces(int pieces) { gather_pieces_asked.store(pieces); }
 
 // A collective whose local devices meet in this process (CPU only; see above).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, CpuLocalMeetingEntry,

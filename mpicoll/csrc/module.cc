@@ -26,6 +26,7 @@
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
 #endif
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -419,6 +420,14 @@ PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// Python: set_gather_pieces(pieces: int), 0 = automatic (local_meeting.cc).
+PyObject* SetGatherPiecesPy(PyObject*, PyObject* arg) {
+  const long pieces = PyLong_AsLong(arg);
+  if (pieces == -1 && PyErr_Occurred()) return nullptr;
+  SetGatherPieces(static_cast<int>(std::min<long>(std::max<long>(pieces, 0), 1 << 20)));
+  Py_RETURN_NONE;
+}
+
 #ifdef MPICOLL_CUDA
 // Python: set_gpu_transport(cuda_aware: bool, chunk_bytes: int).
 PyObject* SetGpuTransportPy(PyObject*, PyObject* args) {
@@ -466,6 +475,8 @@ PyMethodDef methods[] = {
      "staging pipeline on host arrays."},
     {"registrations", Registrations, METH_VARARGS,
      "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
+    {"set_gather_pieces", SetGatherPiecesPy, METH_O,
+     "The pieces the local meeting's allgather is gathered in (0 = automatic)."},
 #ifdef MPICOLL_CUDA
     {"set_gpu_transport", SetGpuTransportPy, METH_VARARGS,
      "Choose the GPU memory strategy: (cuda_aware, pipeline chunk bytes)."},

@@ -161,6 +161,10 @@ if "cuda" in PLATFORMS:
     extension.set_gpu_transport(GPU_TRANSPORT == "cuda-aware", GPU_CHUNK_BYTES)
 
 
+# The local meeting's allgather pipeline (csrc/local_meeting.cc): 0 = automatic.
+extension.set_gather_pieces(_settings.current().gather_pieces)
+
+
 @atexit.register
 def _flush_pending_collectives():
     # Registered after mpi4py initialized MPI, so it runs before MPI_Finalize:

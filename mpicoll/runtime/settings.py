@@ -20,6 +20,7 @@ measurements and tests.  `sources()` says where each value came from.
   MPICOLL_GPU_CHUNK_BYTES      4194304 (0 = no pipelining)
   MPICOLL_LOCAL_COMBINE_BYTES  1048576: ranks x devices allreduce, combine in the handler
   MPICOLL_SPLIT_ALLREDUCE_BYTES 262144: ranks x devices allreduce, split the MPI work
+  MPICOLL_GATHER_PIECES        0 (automatic) | N: the local meeting's allgather in N pieces
 (the two thresholds are per device at 2 local devices; they scale as 1 / (L - 1)).
 """
 
@@ -64,6 +65,10 @@ class Settings:
     gpu_chunk_bytes: int = DEFAULT_GPU_CHUNK_BYTES
     local_combine_bytes: float = DEFAULT_LOCAL_COMBINE_BYTES
     split_allreduce_bytes: float = DEFAULT_SPLIT_ALLREDUCE_BYTES
+    # The pieces a global-mesh all_gather over processes and devices is gathered
+    # in (csrc/local_meeting.cc): 0 lets the extension choose (pieces where this
+    # process has two cores per local device), 1 gathers whole.
+    gather_pieces: int = 0
 
 
 def _flag(name, raw):
@@ -150,6 +155,7 @@ _VARIABLES = {
     "gpu_chunk_bytes": ("MPICOLL_GPU_CHUNK_BYTES", _bytes),
     "local_combine_bytes": ("MPICOLL_LOCAL_COMBINE_BYTES", _bytes),
     "split_allreduce_bytes": ("MPICOLL_SPLIT_ALLREDUCE_BYTES", _bytes),
+    "gather_pieces": ("MPICOLL_GATHER_PIECES", _count),
 }
 
 

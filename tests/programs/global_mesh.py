@@ -25,6 +25,9 @@ SIZE = int(sys.argv[sys.argv.index("--reference") + 1]) if MAKING_REFERENCE else
 DEVICES_HERE = SIZE * LOCAL if MAKING_REFERENCE else LOCAL
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={DEVICES_HERE}")
+# The large all_gather below in 3 pieces on any machine (by default, only where the
+# device threads have cores of their own): a short last piece, and the copies out.
+os.environ.setdefault("MPICOLL_GATHER_PIECES", "3")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -200,8 +203,32 @@ def a_local_axis_alone_meets_in_mpicolls_handler():
           np.tile(mine.sum(0), (LOCAL, 1)))
 
 
+def a_large_all_gather_lands_in_pieces():
+    # A block of over 512 KiB per process is gathered in pieces (3, set above),
+    # each copied out by the other devices while MPI moves the next
+    # (local_meeting.cc); rows of an odd length make the pieces unequal.  numpy's
+    # gather is the reference.
+    everyone = np.random.default_rng(3).normal(size=(N, 100003)).astype(np.float32)
+    for shape, names, axes in [((N,), ("x",), ("x",)),
+                               ((SIZE, LOCAL), ("proc", "dev"), ("dev", "proc"))]:
+        mesh = jax.make_mesh(shape, names)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(names)),
+                                                   local_blocks(everyone))
+        program = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, axes, tiled=True),
+                                        mesh=mesh, in_specs=P(names), out_specs=P(names)))
+        # participants in the order of `axes`: device-major when "dev" comes first
+        order = np.arange(N).reshape(shape).transpose(
+            [names.index(a) for a in axes]).reshape(-1)
+        expected = np.tile(everyone[order].reshape(1, -1), (LOCAL, 1))
+        for _ in range(3):  # the meeting's buffers and counters, call after call
+            check(f"a large all_gather over {axes}", mine(program(x)).reshape(LOCAL, -1),
+                  expected)
+
+
 if not MAKING_REFERENCE and SIZE > 1:
     attempt("a mesh not process-major", a_mesh_not_process_major_is_refused)
+    if LOCAL > 1:
+        attempt("a large all_gather", a_large_all_gather_lands_in_pieces)
     if LOCAL > 1:
         attempt("a local axis alone", a_local_axis_alone_meets_in_mpicolls_handler)
     for shape, names, axes in LAYOUTS[1:] if LOCAL > 1 else LAYOUTS[:1]:

@@ -89,8 +89,10 @@ struct Registration {
 std::vector<Registration> CpuRegistrations();
 XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
 
-// local_meeting.cc: collectives whose local devices meet in this process.
+// local_meeting.cc: collectives whose local devices meet in this process, and
+// the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalMeeting);
+void SetGatherPieces(int pieces);
 
 // entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
 // Runs collective `name` (a rank-block one) on `comm` from `in` to `out`
