@@ -107,6 +107,26 @@ def test_a_rank_that_exits_mid_job_writes_the_report(ranks):
                for r in range(odd)), lines
 
 
+def test_a_rank_that_finished_after_distributed_initialize_is_named():
+    # JAX's shutdown barrier at exit waits for every process: the rank that finished
+    # tells the others before it (mpicoll/distributed.py), and the report names the
+    # call's MPI part (its leader device's), not a device waiting for its leader.
+    result = _run(2, "mesh-finish")
+    _ended_in_seconds(result)
+    head, lines = _one_report(result)
+    assert re.search(r"rank 1 has finished its script without reaching the collective "
+                     r"rank 0 waits in", head), head
+    call = r"allreduce\(float32\[1\], op=sum\), over 2 local devices"
+    # the communicator named after the mesh axes it stands for
+    assert re.match(rf"finished its script at .*diverge\.py:\d+; its last on mesh axes "
+                    rf"hosts,local: sequence 2, {call}$", lines[1]), lines
+    assert re.match(rf"in {call} on mesh axes hosts,local, sequence 3, called at "
+                    rf".*diverge\.py:\d+", lines[0]), lines
+    assert "waiting for this process's other local devices" not in result.output, \
+        result.summary()
+    assert result.stdout.count("rank 1: returned") == 2, result.summary()
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_rank_that_never_reaches_the_first_collective_is_named(ranks):
     result = _run(ranks, "never-first")

@@ -6,7 +6,13 @@
 # the benchmark) are taken from $GPU_WHEELS (default .gpu-wheels/, filled here
 # by `make gpu-wheels`).  Every step runs under a timeout.
 #
-#   tools/gpu_suite.sh [test|bench|all]        (default: test)
+#   tools/gpu_suite.sh [test|bench|mesh|all]   (default: test)
+#
+# mesh: the global-mesh benchmark on the node's CPU cores, where each device
+# thread has a core (issue 34): benchmarks/global_mesh_collectives.py at 2
+# processes x L = 1, 2, 4 CPU devices, and at L = 2, 4 again with the
+# meeting's all_gather gathered whole (MPICOLL_GATHER_PIECES=1, tag -whole),
+# the A/B of its pieces; the results' JSON files go to $OUT.
 #
 # Variables: GPU_PYTHON (python3: the interpreter whose jax has the CUDA plugin),
 # MPICC (mpicc on PATH), GPU_TESTS (the test files), GPU_RANKS ("1 2"),
@@ -64,6 +70,20 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
             "$PY" benchmarks/gpu_bench.py --floor-lib "$OUT/mpi_floor.so" --out "$OUT" \
             ${BENCH_ARGS:-} || failed="$failed bench@$n"
     done
+fi
+
+if [ "$what" = mesh ] || [ "$what" = all ]; then
+    "$MPICC" -O2 -fPIC -shared benchmarks/mpi_floor.c -o "$OUT/mpi_floor.so"
+    for run in "1 -" "2 -" "4 -" "2 -whole" "4 -whole"; do
+        set -- $run
+        tag=${2#-}; tag=${tag:+-$tag}
+        step "global mesh on CPU cores: 2 processes x $1 devices${tag:+ ($tag)}"
+        env JAX_PLATFORMS=cpu ${tag:+MPICOLL_GATHER_PIECES=1} timeout --kill-after=20 \
+            "${MESH_BENCH_TIMEOUT:-300}" "$MPIEXEC" --oversubscribe -n 2 "$PY" \
+            benchmarks/global_mesh_collectives.py --local "$1" --no-gloo --repeats 7 \
+            --floor-lib "$OUT/mpi_floor.so" --tag="$tag" || failed="$failed mesh@$1$tag"
+    done
+    cp benchmarks/results/global_mesh_collectives_2proc*.json "$OUT"/ 2>/dev/null
 fi
 
 echo

@@ -257,8 +257,10 @@ def configure(settings):
     if settings.trace:
         atexit.register(_write_trace_at_exit)
     if world_size > 1 and not _native.SERIALIZED:
+        global _announcing
         extension.open_side_channel()
-        atexit.register(_announce_finished)
+        _announcing = True
+        atexit.register(announce_finished)
         _watch_process_exit()
 
 
@@ -297,7 +299,16 @@ def _ended_at():
     return where
 
 
-def _announce_finished():
+_announcing = False  # the side channel is open: tell the others where this rank ended
+
+
+def announce_finished():
+    """Tell every rank that this one's script has finished, and its last calls (once;
+    at exit, or earlier from an exit handler that may wait for the other ranks)."""
+    global _announcing
+    if not _announcing:
+        return
+    _announcing = False
     import jax
 
     jax.effects_barrier()  # its queued collectives are its calls too

@@ -233,7 +233,9 @@ def _clock_offset(comm):
 
 def for_mesh_axes(comm, axes, caller):
     """comm's CommInfo, standing for the global mesh axes `axes` (check_vma types
-    values over them); comm is mpicoll's own, made for those axes."""
+    values over them); comm is mpicoll's own, made for those axes, and named after
+    them: reports and flight records say "on mesh axes hosts,local"."""
+    comm.Set_name("mesh axes " + ",".join(map(str, axes)))
     info = dataclasses.replace(resolve(comm, caller), mesh_axes=tuple(axes))
     _slot_infos[info.slot] = info
     return info

@@ -15,6 +15,9 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
   swapped-alike (with MPICOLL_CHECK=1) two programs with the same allreduce, from
                 two lines, called in swapped order on the odd rank
   exit-mid      the odd rank's process ends (os._exit(7)) while the others wait
+  mesh-finish   after mpicoll.distributed.initialize(), a global mesh of 2 CPU devices
+                per process: the odd rank finishes its script after 2 of 3 psums over
+                the whole mesh (its exit handlers then wait in JAX's shutdown barrier)
   never-first   the odd rank finishes its script before the job's first collective
   raise-traced  every rank raises the same error while tracing
   baseline      no divergence (what the others' times to end are measured against)
@@ -36,6 +39,9 @@ import os
 import sys
 import time
 
+if sys.argv[1] == "mesh-finish":  # before JAX starts its CPU backend
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=2")
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +71,22 @@ first = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
 second = jax.jit(lambda x: mpicoll.bcast(x, root=0) - 1)
 plus = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
 minus = jax.jit(lambda x: mpicoll.allreduce(x) - 1)
+
+if CASE == "mesh-finish":
+    import mpicoll.distributed
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mpicoll.distributed.initialize(initialization_timeout=60)
+    mesh = jax.make_mesh((SIZE, 2), ("hosts", "local"))
+    spec = P(("hosts", "local"))
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, ("hosts", "local")), mesh=mesh,
+                                  in_specs=spec, out_specs=spec))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.ones(2, np.float32))
+    for i in range(2 if ODD else 3):
+        x = total(x)
+        returned(x.addressable_data(0), (2.0 * SIZE) ** (i + 1) * np.ones(1))
+    say("finished")
+    sys.exit(0)
 
 if CASE == "never-first":
     if ODD:

@@ -21,6 +21,21 @@ constexpr double kProbeAfter = 0.5;  // s of waiting before the ranks are first 
 
 // ---------------------------------------------------------------------------
 // How a rank's state reads in a report.
+
+// A local device waiting for the others of its process inside one call (the
+// local meeting, local_meeting.cc): no description of its own, and no sequence
+// on its device's communicator; the call's MPI part is its leader's, which
+// the report names instead wherever the leader is in it.
+inline bool WaitInsideCall(const CallState& c) { return c.call_hash == 0; }
+
+// Whether a rank is in a call other than such a wait.
+inline bool InCallProper(const RankState& s) {
+  for (const CallState& c : s.calls) {
+    if (c.phase != kPhaseDone && !WaitInsideCall(c)) return true;
+  }
+  return false;
+}
+
 inline std::string Describe(const CallState& c) {
   std::string text = std::string(c.call) + " on " + c.comm;
   if (c.device > 0) text += " (local device " + std::to_string(c.device) + ")";
@@ -60,8 +75,10 @@ inline std::string RankLine(int rank, const RankState& s, std::vector<uint64_t> 
   std::string text = "  rank " + std::to_string(rank) + " (" + s.head.host + "): ";
   std::vector<std::string> parts;
   if (s.head.ending != kAlive) parts.push_back(EndedLine(s));
+  const bool in_call_proper = InCallProper(s);
   for (const CallState& c : s.calls) {
-    if (c.phase != kPhaseDone && s.head.ending == kAlive) {
+    if (c.phase != kPhaseDone && s.head.ending == kAlive &&
+        !(in_call_proper && WaitInsideCall(c))) {
       parts.push_back("in " + Describe(c) + " for " + Seconds(c.seconds));
     }
   }
@@ -261,10 +278,14 @@ inline std::string DivergenceReport(const std::vector<RankState>& states, const 
 // empty if a lower rank is stalled too (it reports).  "Stalled" with half the
 // threshold's tolerance: ranks enter a collective a little apart, and a lower
 // rank that arrived last is about to reach the threshold and report itself.
+// A wait inside a call (a local device waiting for its leader) yields to the
+// call's MPI part where this rank is in it.
 inline const CallState* LongestWait(const RankState& s) {
   const CallState* longest = nullptr;
+  const bool in_call_proper = InCallProper(s);
   for (const CallState& c : s.calls) {
-    if (c.phase != kPhaseDone && (!longest || c.seconds > longest->seconds)) longest = &c;
+    if (c.phase == kPhaseDone || (in_call_proper && WaitInsideCall(c))) continue;
+    if (!longest || c.seconds > longest->seconds) longest = &c;
   }
   return longest;
 }
