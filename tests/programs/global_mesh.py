@@ -225,10 +225,52 @@ def a_large_all_gather_lands_in_pieces():
                   expected)
 
 
+def a_large_all_to_all_moves_rows_in_place():
+    # Rows of 64 KiB and more go to MPI from the devices' inputs and into their
+    # outputs, with no packed buffers (local_meeting.cc); 16411 float32 rows,
+    # one per participant in each device's block.  numpy's exchange is the reference.
+    row = 16411
+    everyone = np.random.default_rng(4).normal(size=(N, N * row)).astype(np.float32)
+    for shape, names, axes in [((N,), ("x",), ("x",)),
+                               ((SIZE, LOCAL), ("proc", "dev"), ("dev", "proc"))]:
+        mesh = jax.make_mesh(shape, names)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(names)),
+                                                   local_blocks(everyone))
+        program = jax.jit(jax.shard_map(
+            lambda v: jax.lax.all_to_all(v, axes, 0, 0, tiled=True),
+            mesh=mesh, in_specs=P(names), out_specs=P(names)))
+        order = np.arange(N).reshape(shape).transpose(
+            [names.index(a) for a in axes]).reshape(-1)  # device at each axis position
+        place = np.argsort(order)
+        pieces = everyone.reshape(N, N, row)  # [device, destination position, ...]
+        expected = np.stack([pieces[order, place[d]].reshape(-1) for d in range(N)])
+        for _ in range(3):
+            check(f"a large all_to_all over {axes}", mine(program(x)).reshape(LOCAL, -1),
+                  expected[MINE])
+        # ppermute of whole 64 KiB blocks the same way: a ring, every device to the
+        # next process's devices in reverse order (several rows between a pair of
+        # processes), and a swap of the first and last participants (the others
+        # get zeros).  ppermute numbers
+        # the participants in the mesh's order of the axes, as JAX does.
+        blocks = everyone[:, :row]
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(names)),
+                                                   local_blocks(blocks))
+        to_next = [(i, (i // LOCAL + 1) % SIZE * LOCAL + LOCAL - 1 - i % LOCAL) for i in range(N)]
+        for perm in ([(i, (i + 1) % N) for i in range(N)], to_next, [(0, N - 1), (N - 1, 0)]):
+            program = jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, axes, perm),
+                                            mesh=mesh, in_specs=P(names), out_specs=P(names)))
+            expected = np.zeros_like(blocks)
+            for source, destination in perm:  # devices, the mesh being process-major
+                expected[destination] = blocks[source]
+            check(f"a large ppermute {perm[:2]}... over {axes}",
+                  mine(program(x)).reshape(LOCAL, -1), expected[MINE])
+
+
 if not MAKING_REFERENCE and SIZE > 1:
     attempt("a mesh not process-major", a_mesh_not_process_major_is_refused)
     if LOCAL > 1:
         attempt("a large all_gather", a_large_all_gather_lands_in_pieces)
+        attempt("a large all_to_all", a_large_all_to_all_moves_rows_in_place)
     if LOCAL > 1:
         attempt("a local axis alone", a_local_axis_alone_meets_in_mpicolls_handler)
     for shape, names, axes in LAYOUTS[1:] if LOCAL > 1 else LAYOUTS[:1]:
