@@ -64,14 +64,14 @@ namespace {
 //                   destination rank, then source      pairs)               to it, else zeros
 //                   row); to a device of this rank,
 //                   straight into that device's output
-//
-// alltoall's and permute's rows of 64 KiB or more skip the send and receive
-// buffers: the leader's one MPI_Alltoallw reads them in the devices' inputs
-// and writes them in their outputs (RowsInPlace, below).
 //   bcast           the root's row (root rank, root    MPI_Bcast            the row
 //                   device)
 //   reduce          1/L of the reduction (as above)    MPI_Reduce to the    the root: the sum;
 //                                                      root's rank          others zeros
+//
+// alltoall's and permute's rows of 64 KiB or more skip the send and receive
+// buffers: the leader's one MPI_Alltoallw reads them in the devices' inputs
+// and writes them in their outputs (RowsInPlace, memory/rows_in_place.h).
 //
 // Bytes each rank sends are then those of the direct collective over P*L
 // participants, whatever L: no device's data crosses the network twice, and
@@ -92,9 +92,9 @@ namespace {
 // call (large rows, below), when every thread is still inside the call; the
 // one buffer read later, the leader's allgather output, is read while the
 // leader waits for it.  So no XLA buffer is touched after its thread has
-// returned.  Waiting threads are watched by the timeout
-// like an MPI wait; a short spin before sleeping keeps the wake-up off the
-// futex path at small sizes.
+// returned.  Waiting threads are watched by the timeout like an MPI wait; a
+// short spin before sleeping keeps the wake-up off the futex path at small
+// sizes.
 enum MeetingKind : int64_t {
   kMeetAllreduce = 0,
   kMeetAllgather = 1,
