@@ -141,8 +141,8 @@ class MPIBuildExt(build_ext):
 CSRC = "mpicoll/csrc"
 SOURCES = [f"{CSRC}/{name}" for name in (
     "module.cc", "module_watch.cc", "entries/cpu.cc", "entries/cuda.cc",
-    "entries/host_staged.cc", "local_meeting.cc")]
-DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/*.def"))
+    "entries/host_staged.cc", "meeting/meeting.cc")]
+DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/**/*.def", recursive=True))
 
 if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it
     setup(

@@ -28,6 +28,15 @@ from .over_ranks import lax as _lax_over_ranks  # noqa: E402,F401  (jax.lax coll
 # primitive/varying.py and primitive/device_order.py).
 _failures.configure(_current_settings())
 
+# XLA's CPU pool at two threads per local device where the cores are fewer
+# (unless the user set PJRT_NPROC, or JAX started its backends before this
+# import): with fewer, XLA's own dispatch of multi-device programs can starve
+# the device part a collective waits for (primitive/device_order.py,
+# chain_safe; 2 ranks x 2 devices on 2 cores hung a gradient step in 1 of 2
+# runs, issue 43).
+from .primitive import device_order as _device_order  # noqa: E402
+_device_order.size_xla_cpu_pool(warn_if_late=True)
+
 # Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
 # default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
 from . import _compat as _compat_for_tracebacks  # noqa: E402

@@ -11,7 +11,8 @@
 //   entries/cpu.cc         CPU handlers (data, fused, overlapped), the barrier
 //   entries/cuda.cc        CUDA handlers (empty without MPICOLL_CUDA)
 //   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
-//   local_meeting.cc       the local devices' meeting: one MPI collective per process
+//   meeting/meeting.cc     the local devices' meeting: every ranks x devices collective
+//                          on CPU, its kinds in meeting/kinds.def
 // They share core/ and memory/, which are headers: every function there is a
 // template or `inline` and every piece of state an `inline` variable (C++17),
 // so each exists once in the module whichever units include it, and each
@@ -420,7 +421,19 @@ PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// Python: set_gather_pieces(pieces: int), 0 = automatic (local_meeting.cc).
+// Python: meeting_kinds() -> {name: (code, rows_in)}, meeting/kinds.def's rows.
+PyObject* MeetingKinds(PyObject*, PyObject*) {
+  PyObject* kinds = PyDict_New();
+  for (const MeetingKindRow& row : MeetingKindRows()) {
+    if (!kinds) break;
+    PyObject* value = Py_BuildValue("(iO)", row.code, row.rows_in ? Py_True : Py_False);
+    if (!value || PyDict_SetItemString(kinds, row.name, value) < 0) Py_CLEAR(kinds);
+    Py_XDECREF(value);
+  }
+  return kinds;
+}
+
+// Python: set_gather_pieces(pieces: int), 0 = automatic (meeting/meeting.cc).
 PyObject* SetGatherPiecesPy(PyObject*, PyObject* arg) {
   const long pieces = PyLong_AsLong(arg);
   if (pieces == -1 && PyErr_Occurred()) return nullptr;
@@ -475,6 +488,8 @@ PyMethodDef methods[] = {
      "staging pipeline on host arrays."},
     {"registrations", Registrations, METH_VARARGS,
      "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
+    {"meeting_kinds", MeetingKinds, METH_NOARGS,
+     "Local meeting kind name -> (code, rows_in): meeting/kinds.def's rows."},
     {"set_gather_pieces", SetGatherPiecesPy, METH_O,
      "The pieces the local meeting's allgather is gathered in (0 = automatic)."},
 #ifdef MPICOLL_CUDA

@@ -1,29 +1,39 @@
-"""Collectives over every local device of several processes, moved by ONE MPI
-collective per process: the L device threads meet in mpicoll's handler
-(csrc/local_meeting.cc), the lowest device packs the process's data into one
-buffer and runs the MPI collective, every device takes its part.
+"""Collectives over every local device of several processes, run in ONE
+mechanism: the L device threads meet in mpicoll's handler (csrc/meeting/), the
+process's MPI work runs inside that meeting, every device takes its part.
 
-    kind            x (per device)       result (per device)    MPI, once per process
+    kind            x (per device)       result (per device)    MPI, per process
+    allreduce       a block, any op      the reduction          MPI_Allreduce (one, or
+                                                                one per device on its
+                                                                1/L slice: split)
     allgather       a block              (P*L, *block)          MPI_Allgather, L blocks each
-    reduce_scatter  (P*L, *block), sum   its block              reduce-scatter, L blocks each
+    reduce_scatter  (P*L, *block), op    its block              reduce-scatter, L blocks each
     alltoall        (P*L, *block)        (P*L, *block)          MPI_Alltoall, L*L blocks each
     permute         a block              the block sent to it   MPI_Alltoallv of the pairs
     bcast           a block              the root's block       MPI_Bcast
     reduce          a block, sum         the sum at the root    MPI_Reduce (bcast's transpose)
 
-Rows are numbered rank-major, row r * L + k for local device k of rank r of
-the communicator (k counts the devices of one group, where a process's
-devices meet in several: a mesh axis that takes some of them); callers reorder rows to their axes' order around the call
-(_lax_over_ranks._Participants).  Each rank sends the bytes of the direct
-collective over its P*L participants whatever L is (the sum of placed rows it
-replaces sent P*L times that; issue 34).  CPU only (the handler reads the
-devices' buffers on the host).
+The kinds are a table the extension owns (csrc/meeting/kinds.def); KINDS below
+is read from it.  Rows are numbered rank-major, row r * L + k for local device k
+of rank r of the communicator (k counts the devices of one group, where a
+process's devices meet in several: a mesh axis that takes some of them);
+callers reorder rows to their axes' order around the call
+(over_ranks/lax.py, _Participants).  Each rank sends the bytes of the direct
+collective over its P*L participants whatever L is.  CPU only (the handler
+reads the devices' buffers on the host).
 
-Typed like JAX's all_gather, psum_scatter, all_to_all, ppermute and
-pbroadcast: the result varies over the communicator's axes.  Every kind is
-linear; its transpose is another kind (allgather <-> reduce_scatter, alltoall
-and permute their own inverses, bcast <-> reduce), vmap moves the batch axis
-behind the rows.
+Why it cannot deadlock: every call is chained by mpicoll's ordered effect, so
+each device thread enters the meetings in program order, and every MPI call of
+a meeting runs while all of this process's devices are inside it
+(docs/design.md, "Ranks x devices: why it cannot deadlock").
+
+Typed like JAX's psum, all_gather, psum_scatter, all_to_all, ppermute and
+pbroadcast: allreduce's result is invariant over the local axis (and, where
+typed, over the ranks), the others vary over the communicator's axes unless
+asked to be invariant (`invariant`: all_gather_invariant, mpicoll.bcast).
+Every kind but allreduce with max/min/prod is linear; the transposes pair them
+(allgather <-> reduce_scatter, alltoall and permute their own inverses, bcast
+<-> reduce, allreduce(sum) itself), vmap moves the batch axis behind the rows.
 """
 
 import jax
@@ -32,29 +42,42 @@ import numpy as np
 from jax import lax
 
 from .. import _compat
-from ..runtime import dtypes as _types, comm as comm_layer
+from ..runtime import dtypes as _types, comm as comm_layer, native as _native
+from . import blocks as _blocks
 from ..primitive import varying as _typing
 from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
-# The handler's kind codes (csrc/local_meeting.cc, MeetingKind).
-KINDS = {"allreduce": 0, "allgather": 1, "reduce_scatter": 2, "alltoall": 3, "permute": 4,
-         "bcast": 5, "reduce": 6}
-_ROWS_IN = ("reduce_scatter", "alltoall")  # x holds one row per participant
+# name -> (code, rows_in): the extension's table (csrc/meeting/kinds.def).
+KINDS = {name: code for name, (code, _) in _native.extension.meeting_kinds().items()}
+_ROWS_IN = {name for name, (_, rows_in) in _native.extension.meeting_kinds().items() if rows_in}
+_SUM = _types.SUM
 
 
-def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=()):
+def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=(), op=0,
+         split=False, axis_name=None, whole=True):
     """`kind` over `local` devices (those the program runs on here, or one group
-    of them) of every rank of `comm` (a CommInfo); pairs: permute's (source row,
-    destination row); root: bcast's row; groups: each local device's group,
-    where the devices meet in several groups (each over its own `local`).
-    invariant: for an allgather typed invariant over mesh axes (JAX's
-    all_gather_invariant), a tuple (those axes, the rank-major row of each
-    participant in their order); its transpose is then this participant's own row."""
+    of them) of every rank of `comm` (a CommInfo).
+
+    pairs: permute's (source row, destination row); root: bcast's row; groups:
+    each local device's group, where the devices meet in several (each over its
+    own `local`); op: the reduction's code (allreduce, reduce_scatter); split:
+    allreduce's MPI work on every device's own slice.  invariant: for a result
+    typed invariant (all_gather_invariant, mpicoll.bcast), (the axes it is
+    invariant over, the rank-major row of each participant in their order, or ()
+    for rank * L + the index on the last of the axes).  allreduce only:
+    axis_name, the local axis its result is invariant over, and whole, whether
+    the meeting is the entire collective over it (a global mesh's axes) rather
+    than mpicoll's ranks x devices one (axis_name=)."""
+    params = dict(comm=comm.slot, size=comm.size, root=int(root), op=op,
+                  transpose_sums=not _compat.check_vma_enabled(),
+                  checked_ad=_typing.autodiff_checked())
+    if kind == "allreduce":
+        params = _typing.typed_params(params)
     x = _typing.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
-    return local_meeting_p.bind(x, kind=kind, comm=comm.slot, size=comm.size, local=local,
-                                pairs=flat, root=int(root), groups=tuple(groups),
-                                invariant=invariant)
+    return local_meeting_p.bind(x, kind=kind, local=local, pairs=flat, groups=tuple(groups),
+                                invariant=invariant, split=bool(split), axis_name=axis_name,
+                                whole=whole, **params)
 
 
 def _shape(shape, kind, participants):
@@ -65,29 +88,41 @@ def _shape(shape, kind, participants):
     return shape
 
 
-def _abstract_eval(x, *, kind, comm, size, local, invariant=(), **params):
+def _abstract_eval(x, *, kind, comm, size, local, invariant=(), axis_name=None, **params):
+    if kind == "allreduce":
+        # Like lax.psum/pmax/pmin: the same value on every local device,
+        # invariant over the local axis; over the ranks as mpicoll's allreduce.
+        if _compat.check_vma_enabled() and axis_name is not None:
+            x = _compat.with_varying_axes(x, _compat.varying_axes(x) - {axis_name})
+        return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape,
+                                    {"comm": comm, "size": size, **params}), {mpi_effect}
     out = _compat.aval_with_shape(x, _shape(x.shape, kind, size * local))
-    if invariant:  # the same gathered rows on every participant of the axes
-        out = _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0]))
-    elif axes := set(_typing.typed_axes(comm)):
+    axes = set(_typing.typed_axes(comm))
+    if invariant:  # the same rows on every participant of the axes
+        out = _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0]) - axes)
+    elif axes:
         out = _compat.with_varying_axes(out, _compat.varying_axes(x) | axes)
     return out, {mpi_effect}
 
 
-def _lowering(ctx, x, *, kind, comm, local, pairs, root, groups=(), invariant=(), **params):
-    op = _types.op_code("sum", ctx.avals_in[0].dtype, "psum") if kind in (
-        "reduce_scatter", "reduce") else 0
-    return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, comm=comm, op=op, root=root,
-                            local=local, kind=KINDS[kind],
+def _lowering(ctx, x, *, kind, comm, local, pairs, root, op, split, groups=(), **params):
+    if kind == "reduce":
+        op = _types.op_code("sum", ctx.avals_in[0].dtype, "psum")
+    # In place for allreduce: a dead or donated x (a loop carry) is the output buffer.
+    return ordered_ffi_call(ctx, "mpicoll_local_meeting", x,
+                            aliases={1: 1} if kind == "allreduce" else None, comm=comm,
+                            op=op, root=root, local=local, kind=KINDS[kind], split=int(split),
                             pairs=np.asarray(pairs, np.int64).reshape(-1),
                             groups=np.asarray(groups, np.int64).reshape(-1))
 
 
 def _elsewhere(ctx, x, **params):
     raise NotImplementedError(
-        "jax.lax collectives over axes that span processes and their devices meet the local "
-        "devices on the host (CPU only); on GPUs give the mesh a process axis and a device "
-        "axis and collect over the process axis, or use mpicoll's collectives with axis_name")
+        "mpicoll's collectives over ranks x local devices meet the local devices on the host "
+        "(CPU only); this program runs on another platform. On GPUs give a global mesh a "
+        "process axis and a device axis and collect over the process axis, or use mpicoll's "
+        "collectives with axis_name (traced for the GPU, they compose XLA's collectives over "
+        "the devices with MPI)")
 
 
 local_meeting_p = effectful_primitive("mpicoll_local_meeting", _abstract_eval, _lowering,
@@ -102,29 +137,86 @@ def _batch(args, dims, *, kind, **params):
     return out, {"allgather": dim + 1, "reduce_scatter": dim - 1}.get(kind, dim)
 
 
-def _jvp(primals, tangents, **params):
+def _rebind(x, **params):
+    """The same meeting on another value (a tangent, a cotangent), typed as its input."""
+    x = _typing.typed_input(x, comm_layer.info_for_slot(params["comm"]))
+    return local_meeting_p.bind(x, **params)
+
+
+def _own_row(params):
+    """This participant's rank-major row (r * L + k), traced."""
+    axes, rows = params["invariant"] or ((params["axis_name"],), ())
+    if rows:  # a global mesh: the axes' index, reordered rank-major
+        return jnp.asarray(rows, jnp.int32)[lax.axis_index(axes)]
+    rank = comm_layer.info_for_slot(params["comm"]).rank
+    return rank * params["local"] + lax.axis_index(axes[-1])
+
+
+def _allreduce_tangent(x, y, t, params):
+    """The derivative of allreduce with a non-linear op, each piece a meeting."""
+    op = _types.OP_NAMES[params["op"]]
+    summed = lambda v: _rebind(v, **{**params, "op": _SUM})  # noqa: E731
+    if params["whole"]:
+        raise NotImplementedError(
+            f"jax.lax.p{op} over axes spanning processes has no derivative (JAX defines "
+            "none for pmax and pmin)")
+    if op in ("min", "max"):  # like jnp.max: the selected elements' tangents, ties equal
+        chosen = (x == y).astype(t.dtype)
+        count = summed(chosen)
+        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
+    if op == "prod":  # d(prod_p x_p) = sum_p (product of the others) * t_p: exact with zeros
+        gathered = {**params, "kind": "allgather", "op": 0, "split": False}
+        everyone = _rebind(x, **gathered)
+        own = (jnp.arange(everyone.shape[0]) == _own_row(params)).reshape(
+            (-1,) + (1,) * x.ndim)
+        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
+        return summed(others * t)
+    raise NotImplementedError(f"mpicoll.allreduce: op={op!r} has no derivative")
+
+
+def _jvp(primals, tangents, *, kind, **params):
     (x,), (t,) = primals, tangents
-    y = local_meeting_p.bind(x, **params)
+    y = local_meeting_p.bind(x, kind=kind, **params)
     if type(t) is _compat.Zero:
         return y, _compat.zero_tangent(jax.typeof(y))
-    return y, local_meeting_p.bind(t, **params)  # linear
+    if kind == "allreduce" and params["op"] != _SUM:
+        return y, _allreduce_tangent(x, y, t, {**params, "kind": kind})
+    if kind == "reduce_scatter" and params["op"] != _SUM:
+        raise NotImplementedError(f"mpicoll.reduce_scatter: op={_types.OP_NAMES[params['op']]!r} "
+                                  "has no derivative (op='sum' has)")
+    return y, local_meeting_p.bind(t, kind=kind, **params)  # linear
 
 
 _TRANSPOSED = {"allgather": "reduce_scatter", "reduce_scatter": "allgather",
-               "alltoall": "alltoall", "permute": "permute", "bcast": "reduce", "reduce": "bcast"}
+               "alltoall": "alltoall", "permute": "permute", "bcast": "reduce", "reduce": "bcast",
+               "allreduce": "allreduce"}
 
 
 def _transpose(ct, x, *, kind, pairs, invariant=(), **params):
     if type(ct) is _compat.Zero:
         return [_compat.zero_tangent(x.aval)]
-    if invariant:  # JAX's all_gather_invariant's: this participant's own row, no traffic
-        axes, rows = invariant
-        own = jnp.asarray(rows, jnp.int32)[lax.axis_index(axes)]
-        return [lax.dynamic_index_in_dim(ct, own, 0, keepdims=False)]
+    params = {**params, "invariant": invariant}
+    _typing.check_reverse_mode(kind, params)  # outside mesh(), as every collective's
+    if kind == "allreduce":  # the sum (the other ops are not linear)
+        if params["transpose_sums"]:  # pmap-style: psum transposes to psum
+            return [_rebind(ct, kind=kind, pairs=pairs, **params)]
+        ct = _typing.typed_like(ct, x.aval, params)  # check_vma: to pvary
+        local_axis = params["axis_name"]
+        if (not params["whole"] and local_axis in _compat.varying_axes(x.aval)
+                and local_axis not in _compat.varying_axes(jax.typeof(ct))):
+            ct = _compat.pvary(ct, (local_axis,))
+        return [ct]
+    if invariant:  # the result is the same on every participant: its cotangent counts once
+        own = _own_row({**params, "axis_name": None})
+        if kind == "allgather":  # JAX's all_gather_invariant's: this participant's own row
+            return [_typing.typed_like(lax.dynamic_index_in_dim(ct, own, 0, keepdims=False),
+                                       x.aval, params)]
+        if kind == "bcast":  # the root's input alone
+            return [_typing.typed_like(jnp.where(own == params["root"], ct, jnp.zeros_like(ct)),
+                                       x.aval, params)]
     inverse = tuple(value for s, d in zip(pairs[::2], pairs[1::2]) for value in (d, s))
-    info = comm_layer.info_for_slot(params["comm"])
-    ct = _typing.typed_input(ct, info)
-    return [local_meeting_p.bind(ct, kind=_TRANSPOSED[kind], pairs=inverse, **params)]
+    return [_rebind(ct, kind=_TRANSPOSED[kind], pairs=inverse,
+                    **{**params, "invariant": ()})]
 
 
 _compat.register_batching(local_meeting_p, _batch)

@@ -3,58 +3,86 @@
 Inside pmap or shard_map over the L local devices of each of `size` ranks,
 `axis_name` names the local device axis.  The global op spans all size*L
 participants, ordered by (rank, local index): participant p = rank * L + k.
-Each is composed of a lax collective over the local devices and an mpicoll
-per-device collective across ranks (device k of every rank talks on its own
-communicator, all devices in parallel):
 
-  allreduce  combine (CPU, up to local_combine_bytes(L)): the device threads combine
-             their data in mpicoll's handler, one MPI allreduce for all of them.
-             Otherwise (GPU, mpicoll.overlap(), larger arrays), by size:
-             small: psum over devices, then MPI allreduce on every device.
-             split (from split_allreduce_bytes(L)): psum_scatter over devices, MPI
-             allreduce of 1/L of the data per device (all devices in parallel),
-             all_gather over devices.
+On CPU every one of them is ONE mechanism, the local meeting
+(ops/local_meeting.py, csrc/meeting/): the L device threads meet in mpicoll's
+handler and the process's MPI work runs inside that meeting, so the device
+threads never wait in XLA's own in-process collectives between mpicoll calls.
+XLA orders its collectives among themselves but not with mpicoll's calls
+(they hold different resources in XLA:CPU's thunk executor), so a program that
+mixed the two could have device 0 in an MPI call waiting for device 0 of
+another rank while device 1 waited in XLA's rendezvous for device 0: a
+deadlock (issue 43).  The meeting's calls are chained by mpicoll's ordered
+effect, so every device thread runs them in program order; why that cannot
+deadlock: docs/design.md, "Ranks x devices: why it cannot deadlock".
+
+  allreduce  up to local_combine_bytes(L) per device one thread makes the one
+             MPI allreduce for the process; above, every device allreduces its
+             1/L slice of the locally reduced data on its own communicator, all
+             in parallel, inside the same meeting (the split).
+  allgather, alltoall, bcast, reduce_scatter: the meeting's kinds, one MPI
+             collective per process.
+
+On GPUs (the meeting reads the devices' buffers on the host) each is composed
+of a lax collective over the local devices (XLA's, on the device's stream, in
+the program's order) and an mpicoll per-device collective across ranks:
+  allreduce  small: psum over devices, then MPI allreduce on every device;
+             split (from split_allreduce_bytes(L)): psum_scatter, MPI allreduce
+             of 1/L per device, all_gather.
   allgather  MPI allgather of each device's own x, then all_gather over devices.
   alltoall   all_to_all over devices, then MPI alltoall across ranks.
   bcast      the root device's x to its rank's devices, then MPI bcast per device.
-  reduce_scatter  reduce-scatter over devices (each device keeps the rows of
-             its own local index, for every rank), then MPI reduce_scatter.
+  reduce_scatter  reduce-scatter over devices, then MPI reduce_scatter.
 
 Autodiff and vmap follow the matching lax collective over one axis spanning all
-participants: the lax pieces bring their own rules (the combine's derivative
-is the composition's), and the MPI pieces are told
-(transpose_sums) whether cotangents of replicated values are summed (pmap,
-shard_map(check_vma=False)) or taken once (shard_map with check_vma).
+participants: the meeting's kinds transpose to each other, the lax pieces bring
+their own rules, and the MPI pieces are told (transpose_sums) whether
+cotangents of replicated values are summed (pmap, shard_map(check_vma=False))
+or taken once (shard_map with check_vma).
 """
 
+import contextlib
+import functools
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import blocks as _blocks, local_meeting as _local_meeting
 from .. import _compat
 from ..runtime import settings as _settings, dtypes as _types, comm as comm_layer
-from ..primitive import varying as _typing, validate as _validate, overlap
+from ..primitive import validate as _validate
 from ..primitive.dispatch import bind
-from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
-_SUM = _types.SUM
-
-# Above split_allreduce_bytes(L) per device, allreduce splits the MPI work over
-# the L devices (reduce-scatter / allreduce / all-gather) instead of every device
-# allreducing the whole array.  Splitting takes (L - 1) * n bytes per call off
-# each node's link (its devices send n bytes across nodes between them, not
-# L * n) for an extra cost on the node (psum_scatter + all_gather instead of
-# psum) that does not grow with L, so the crossover falls as 1 / (L - 1).
-# SPLIT_ALLREDUCE_BYTES is the crossover measured at 2 devices on the simulated
-# cluster (split slower at 128 KiB, faster from 1 MiB); at 8 devices split was
-# 1.11-1.41x faster than small at 64 KiB there, and the cost model
-# (benchmarks/allreduce_model.py, docs/design.md, "A cost model") puts the crossover at
-# 4-19 KiB for 1,000 nodes x 8 devices.  256 KiB at 2 devices, 85 KiB at 4,
-# 37 KiB at 8.  (The value at 2 devices: runtime/settings.py, MPICOLL_SPLIT_ALLREDUCE_BYTES.)
+# The two thresholds below are set at 2 devices and fall as 1 / (L - 1)
+# (their values at 2 devices: runtime/settings.py).
+#
+# local_combine_bytes(L): on CPU, up to it one device thread makes the
+# process's one MPI allreduce; above it every device allreduces its 1/L slice
+# on its own communicator (the split, inside the meeting).  Measured at 2 ranks
+# x 2 devices on 2 cores before the split moved into the meeting (Open MPI 4.1,
+# float32 sum, jitted loop of 100, medians of 15, slowest rank;
+# benchmarks/global_allreduce.py --combine-bytes 2000000), us per allreduce:
+#   bytes/device   one MPI call (meeting)   lax composition   per-device MPI alone
+#   4 B                 18.6                  3,010              20.4
+#   4 KiB               22.1                    688             119
+#   64 KiB               129                  5,950           2,170
+#   256 KiB              217                  7,520           7,310
+#   1 MiB                618                  8,270          11,530
+# With more devices splitting wins earlier: on the simulated cluster at 8
+# devices per host (benchmarks/multihost_allreduce.sh) one call was 1.7x
+# faster than split at 64 KiB, split 1.14-1.38x faster at 256 KiB and
+# 1.21-1.24x at 1 MiB; the cost model (benchmarks/allreduce_model.py,
+# docs/design.md, "A cost model") puts the crossover at 437 KiB for 4 devices
+# and 130 KiB for 8.  So 1 MiB at 2 devices, 341 KiB at 4, 146 KiB at 8.
+#
+# split_allreduce_bytes(L): on GPUs (the composition), from it psum_scatter /
+# per-device MPI allreduce of 1/L / all_gather instead of psum + every device
+# allreducing the whole: (L - 1) * n bytes per call off each node's link for an
+# extra cost on the node that does not grow with L (split slower at 128 KiB,
+# faster from 1 MiB at 2 devices on the simulated cluster; 1.11-1.41x faster at
+# 64 KiB at 8 devices).  256 KiB at 2 devices, 85 KiB at 4, 37 KiB at 8.
 
 
 def _scaled_to(local, bytes_at_two_devices):
@@ -62,9 +90,34 @@ def _scaled_to(local, bytes_at_two_devices):
     return bytes_at_two_devices / max(local - 1, 1)
 
 
+def local_combine_bytes(local):
+    """Bytes per device up to which one thread makes the meeting's MPI allreduce (CPU)."""
+    return _scaled_to(local, _settings.current().local_combine_bytes)
+
+
 def split_allreduce_bytes(local):
-    """Bytes per device above which the allreduce over `local` devices splits its MPI work."""
+    """Bytes per device from which the GPU composition splits its MPI work over the devices."""
     return _scaled_to(local, _settings.current().split_allreduce_bytes)
+
+
+def meets(local):
+    """Whether the `local` device threads meet in mpicoll's handler: on CPU, for
+    every kind and size (one mechanism; the module docstring says why)."""
+    return local > 1 and jax.default_backend() == "cpu" and not _composing_on_cpu[0]
+
+
+_composing_on_cpu = [False]
+
+
+@contextlib.contextmanager
+def composed_on_cpu():
+    """Tests only: trace the GPU composition on CPU (the one way to run it here).
+    Not deadlock-free on CPU (the module docstring says why): single programs only."""
+    _composing_on_cpu[0], previous = True, _composing_on_cpu[0]
+    try:
+        yield
+    finally:
+        _composing_on_cpu[0] = previous
 
 
 def _local_axis_size(axis_name, caller):
@@ -84,11 +137,33 @@ def _reduction_arguments(x, op, comm, axis_name, caller):
     return x, op, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
 
 
+def _meet(x, kind, info, axis_name, local, **params):
+    """The meeting of the `local` devices of axis_name over every rank of info;
+    x typed varying over the local axis too, as JAX's collective over it types it."""
+    if _compat.check_vma_enabled():
+        x = _compat.pvary(x, (axis_name,))
+    return _local_meeting.meet(x, kind, info, local, **params)
+
+
 def allreduce(x, op, comm, axis_name):
     x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "allreduce")
-    if _combines_in_handler(x, local):
+    if meets(local):
         return combined_allreduce(x, op, info, axis_name)
     return _composed_allreduce(x, op, info, axis_name)
+
+
+def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=()):
+    """The allreduce as a meeting.  whole: the meeting is the entire collective over
+    axis_name (its every participant is a device of a rank of info), not mpicoll's
+    ranks x a local axis: a global mesh's axes that span processes and their
+    devices, or a process's devices alone.  local, groups: the devices that meet
+    per rank, and each device's group where several groups meet apart."""
+    if local is None:
+        local = jax.local_device_count() if whole else lax.axis_size(axis_name)
+    split = x.size * x.dtype.itemsize > local_combine_bytes(local)
+    return _local_meeting.meet(x, "allreduce", info, local, op=_types.op_code(
+        op, x.dtype, "allreduce"), split=split, axis_name=axis_name, whole=whole,
+        groups=groups)
 
 
 def _composed_allreduce(x, op, comm, axis_name):
@@ -118,139 +193,16 @@ def _composed_allreduce(x, op, comm, axis_name):
     return full[:x.size].reshape(x.shape)
 
 
-# ---------------------------------------------------------------------------
-# Small arrays: the L device threads combine their data in mpicoll's own
-# handler (csrc/local_meeting.cc, CpuLocalMeetingEntry: a meeting of the local
-# threads, one MPI allreduce by one of them), instead of XLA's collective over
-# the local devices followed by L MPI allreduces.  Measured at 2 ranks x 2
-# devices on 2 cores (Open MPI 4.1, float32 sum, jitted loop of 100, medians
-# of 15, slowest rank; benchmarks/global_allreduce.py --combine-bytes 2000000),
-# us per allreduce:
-#   bytes/device   combined here   lax composition   per-device MPI alone
-#   4 B                 18.6            3,010              20.4   (default run)
-#   4 KiB               22.1              688             119
-#   64 KiB               129            5,950           2,170
-#   256 KiB              217            7,520           7,310
-#   1 MiB                618            8,270          11,530
-# XLA's rendezvous, and L threads each in its own MPI call, lose most when the
-# device threads outnumber the cores; the combine wins at every size measured,
-# so the threshold is the largest size measured.  Above it the composition
-# (split MPI work over the devices) is kept for machines with cores to spare.
-# CPU only (the handler reads the device buffers on the host), and not inside
-# mpicoll.overlap() (whose calls run on progress threads; the composition
-# overlaps instead).  Read when a call is traced.
-# With more devices the split path wins earlier: on the simulated cluster at 8
-# devices per host (benchmarks/multihost_allreduce.sh) the combine was 1.7x
-# faster than split at 64 KiB and split 1.14-1.38x faster at 256 KiB and
-# 1.21-1.24x at 1 MiB; the cost model puts the crossover at 437 KiB for 4
-# devices and 130 KiB for 8.  So the threshold, like the split's, falls as
-# 1 / (L - 1): 1 MiB at 2 devices, 341 KiB at 4, 146 KiB at 8.
-# (The value at 2 devices, 1 MiB: runtime/settings.py, MPICOLL_LOCAL_COMBINE_BYTES.)
-
-
-def local_combine_bytes(local):
-    """Bytes per device up to which the allreduce over `local` devices combines in the handler."""
-    return _scaled_to(local, _settings.current().local_combine_bytes)
-
-
-def _combines_in_handler(x, local):
-    return (local > 1 and x.size * x.dtype.itemsize <= local_combine_bytes(local)
-            and not overlap.active() and jax.default_backend() == "cpu")
-
-
-def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=()):
-    """whole: the combine is the entire collective over axis_name (its every
-    participant is a device of a rank of info), not a step of the composition
-    over a local axis: a global mesh's axes that span processes and their
-    devices, or a process's devices alone, where XLA's own collectives would be
-    JAX's cross-process ones.  local, groups: the devices that meet per rank,
-    and each device's group where several groups meet apart (ops/local_meeting.py)."""
-    params = dict(comm=info.slot, size=info.size, root=0,
-                  op=_types.op_code(op, x.dtype, "allreduce"),
-                  transpose_sums=not _compat.check_vma_enabled(),
-                  checked_ad=_typing.autodiff_checked())
-    x, params = _typing.typed_input(x, info), _typing.typed_params(params)
-    if local is None:
-        local = jax.local_device_count() if whole else lax.axis_size(axis_name)
-    return combined_allreduce_p.bind(x, axis_name=axis_name, local=local, whole=whole,
-                                     groups=tuple(groups), **params)
-
-
-def _combined_abstract_eval(x, *, axis_name, local, op, **params):
-    # Typed like the composition, and like lax.psum/pmax/pmin: the value is the
-    # same on every local device, invariant over the local axis.
-    if _compat.check_vma_enabled():
-        x = _compat.with_varying_axes(x, _compat.varying_axes(x) - {axis_name})
-    return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape, params), {mpi_effect}
-
-
-def _combined_lowering(ctx, x, *, comm, op, local, groups=(), **params):
-    # In place: a dead or donated x (a loop carry) is the output buffer.
-    return ordered_ffi_call(ctx, "mpicoll_local_meeting", x, aliases={1: 1}, comm=comm,
-                            op=op, root=0, local=local, kind=_local_meeting.KINDS["allreduce"],
-                            pairs=np.zeros(0, np.int64), groups=np.asarray(groups, np.int64))
-
-
-def _combined_elsewhere(ctx, x, **params):
-    raise NotImplementedError(
-        "mpicoll.allreduce: the ranks x devices allreduce of small arrays combines the local "
-        "devices on the host (CPU only); this program runs on another platform. Trace it "
-        "inside mpicoll.runtime.settings.override(local_combine_bytes=0) (or set "
-        "MPICOLL_LOCAL_COMBINE_BYTES=0) to use XLA's collectives there")
-
-
-combined_allreduce_p = effectful_primitive(
-    "mpicoll_allreduce_local", _combined_abstract_eval, _combined_lowering,
-    lowerings={"cuda": _combined_elsewhere})
-
-
-def _combined_batch(args, dims, **params):
-    # Elementwise across participants: the batch axis stays where it is.
-    return combined_allreduce_p.bind(args[0], **params), dims[0]
-
-
-def _combined_jvp(primals, tangents, *, axis_name, comm, op, **params):
-    """The composition's derivative (its lax and MPI pieces bring the transpose rules)."""
-    (x,), (t,) = primals, tangents
-    y = combined_allreduce_p.bind(x, axis_name=axis_name, comm=comm, op=op, **params)
-    if type(t) is _compat.Zero:
-        return y, _compat.zero_tangent(jax.typeof(y))
-    if params["whole"]:
-        if op != _SUM:
-            raise NotImplementedError(
-                f"jax.lax.p{_types.OP_NAMES[op]} over axes spanning processes has no "
-                "derivative (JAX defines none for pmax and pmin)")
-        return y, combined_allreduce_p.bind(t, axis_name=axis_name, comm=comm, op=op, **params)
-    composed = functools.partial(_composed_allreduce,
-                                 op=_types.checked_op(_types.OP_NAMES[op], x.dtype, "allreduce"),
-                                 comm=comm_layer.info_for_slot(comm), axis_name=axis_name)
-    if op == _SUM:  # linear
-        return y, composed(t)
-    return y, jax.jvp(composed, (x,), (t,))[1]
-
-
-def _combined_transpose(ct, x, *, axis_name, comm, op, transpose_sums, **params):
-    """The sum's transpose where the combine is the whole collective (the
-    composition's pieces bring their own): psum's under each typing."""
-    assert params["whole"] and op == _SUM, "only the whole sum is transposed"
-    if type(ct) is _compat.Zero:
-        return [_compat.zero_tangent(x.aval)]
-    if transpose_sums:  # pmap-style: psum transposes to psum
-        return [combined_allreduce_p.bind(ct, axis_name=axis_name, comm=comm, op=op,
-                                          transpose_sums=transpose_sums, **params)]
-    return [_typing.typed_like(ct, x.aval, {"comm": comm})]  # check_vma: to pvary
-
-
-_compat.register_batching(combined_allreduce_p, _combined_batch)
-_compat.register_jvp(combined_allreduce_p, _combined_jvp)
-_compat.register_transpose(combined_allreduce_p, _combined_transpose)
 
 
 def allgather(x, comm, axis_name):
     x = _validate.as_array(x, "allgather")
+    info = comm_layer.resolve(comm, "allgather")
     local = _local_axis_size(axis_name, "allgather")
+    if meets(local):
+        return _meet(x, "allgather", info, axis_name, local)
     # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
-    across_ranks = bind(_blocks.ALLGATHER, x, comm=comm, transpose_sums=True)
+    across_ranks = bind(_blocks.ALLGATHER, x, comm=info, transpose_sums=True)
     everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
     size = across_ranks.shape[0]
     return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
@@ -270,6 +222,8 @@ def alltoall(x, comm, axis_name):
     info = comm_layer.resolve(comm, "alltoall")
     local = _local_axis_size(axis_name, "alltoall")
     blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
+    if meets(local):
+        return _meet(x, "alltoall", info, axis_name, local)
     # Device k' receives, from every local device k, the rows meant for devices k':
     # [dest rank, src device].
     blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
@@ -284,8 +238,12 @@ def bcast(x, root, comm, axis_name):
     root = _validate.check_root(
         root, info.size * local, "bcast",
         among=f"{info.size} rank(s) x {local} local device(s) = {info.size * local} participants")
-    root_rank, root_device = divmod(root, local)
     vma = _compat.check_vma_enabled()
+    if meets(local):
+        # Typed invariant, like the composition: the same value on every participant.
+        return _meet(x, "bcast", info, axis_name, local, root=root,
+                     invariant=((axis_name,), ()) if vma else ())
+    root_rank, root_device = divmod(root, local)
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
     return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=info, root=root_rank,
@@ -295,6 +253,9 @@ def bcast(x, root, comm, axis_name):
 def reduce_scatter(x, op, comm, axis_name):
     x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
     blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
+    if meets(local):
+        return _meet(x, "reduce_scatter", info, axis_name, local,
+                     op=_types.op_code(op, x.dtype, "reduce_scatter"))
     if op.name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
         mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]

@@ -213,9 +213,12 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     if who.layout == WHOLE:
         typed = () if varying else (tuple(who.axes), who.rank_major_rows())
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
+    elif who.meets():  # ranks x a local axis on CPU: rank-major rows
+        typed = () if varying else ((who.local_axis,), ())
+        rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
         rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
-    if who.layout == RANKS_X_AXIS:
+    if who.layout == RANKS_X_AXIS and not who.meets():
         gather = lax.all_gather if varying else _compat.all_gather_invariant
         rows = gather(rows, who.local_axis)  # (L, ranks, *s)
         if not who.devices_first:
@@ -435,15 +438,18 @@ def _participants(name, axes):
 
 
 def _within_process(axes):
-    """The participants of a collective over mpicoll.mesh()'s local axis alone,
-    after jax.distributed: this process's devices, which meet in mpicoll's handler
-    on CPU with no MPI peer, where XLA's own collective would be gloo's, a TCP
-    round trip inside the process (at any process count: gloo_in_process).
-    Without jax.distributed (and on GPUs) XLA's own in-process collectives stay:
-    faster here at every size measured (docs/jax-vocabulary.md)."""
-    if not _mesh_groups.gloo_in_process():
+    """The participants of a collective over mpicoll.mesh()'s local axis alone:
+    this process's devices, which meet in mpicoll's handler on CPU with no MPI
+    peer.  The same mechanism as the collectives over the ranks, chained with
+    them in program order: XLA's own collective there is not ordered with
+    mpicoll's calls, and the two mixed in one program could deadlock
+    (ops/ranks_devices.py); after jax.distributed it would also be gloo's, a TCP
+    round trip inside the process.  On GPUs XLA's own stay."""
+    if jax.default_backend() != "cpu":
         return None
     devices = lax.axis_size(axes)
+    if devices == 1:
+        return None  # nothing to meet
     return _Participants(_this_process(tuple(axes)), WHOLE, devices, local=devices)
 
 

@@ -56,8 +56,8 @@ def chain_safe():
     return xla_cpu_pool_threads() >= 2 * cpu_device_count()
 
 
-def size_xla_cpu_pool():
-    """mpicoll.distributed.initialize(), before JAX starts its backends: where the
+def size_xla_cpu_pool(warn_if_late=False):
+    """At import and in mpicoll.distributed.initialize(), before JAX starts its backends: where the
     CPU devices asked for (the jax_num_cpu_devices option, else XLA_FLAGS' host
     device count) outnumber half the cores, set PJRT_NPROC to two threads per
     device, so that multi-device programs with a collective take the fast path
@@ -69,8 +69,16 @@ def size_xla_cpu_pool():
     global _pool_we_set
     if os.environ.get("PJRT_NPROC", "") != _pool_we_set or os.environ.get("NPROC", "").strip():
         return  # the user's
-    if _compat.backends_initialized():
-        return  # XLA has sized its pool already
+    if _compat.backends_initialized():  # XLA has sized its pool already
+        if warn_if_late and cpu_device_count() > 1 and not chain_safe():
+            import warnings
+            warnings.warn(
+                f"mpicoll: JAX started its CPU backend before mpicoll was imported, with "
+                f"{xla_cpu_pool_threads()} pool threads for {cpu_device_count()} devices; "
+                "multi-device programs with collectives can then hang in XLA's own dispatch. "
+                f"Import mpicoll before any JAX computation, or set "
+                f"PJRT_NPROC={2 * cpu_device_count()} (docs/devices.md)", stacklevel=3)
+        return
     devices = getattr(jax.config, "jax_num_cpu_devices", -1)
     if not isinstance(devices, int) or devices < 0:
         found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",

@@ -33,6 +33,7 @@ import mpicoll  # noqa: E402
 from report import report_and_exit  # noqa: E402
 from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
 from mpicoll.runtime import settings as _settings  # noqa: E402
+from mpicoll.ops import local_meeting as _local_meeting  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 COMM = MPI.COMM_WORLD
@@ -44,9 +45,8 @@ failures = []
 
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
-    stray = jax.jit(lambda v: _ranks_devices.combined_allreduce_p.bind(
-        v, axis_name="i", local=2, comm=mpicoll.runtime.comm.resolve(None, "test").slot, size=SIZE,
-        root=0, op=0, transpose_sums=True, checked_ad=False))
+    stray = jax.jit(lambda v: _local_meeting.meet(
+        v, "allreduce", mpicoll.runtime.comm.resolve(None, "test"), 2, axis_name="i"))
     stray(np.ones(3)).block_until_ready()
     print("stray call returned", flush=True)
     sys.exit(1)
@@ -98,13 +98,17 @@ def shard_mapped(fn, check_vma):
 
 
 def composed(trace):
-    """trace() with the lax composition at every size (today's path)."""
-    with _settings.override(local_combine_bytes=0):
+    """trace() with the lax composition (the GPU path) at every size."""
+    with _ranks_devices.composed_on_cpu():
         return trace()
 
 
 def uses_combine(fn, *args):
-    return "mpicoll_allreduce_local" in str(jax.make_jaxpr(fn)(*args))
+    """Whether the program's allreduce is the meeting's with one MPI call per
+    process (not split over the devices' communicators)."""
+    program = str(jax.make_jaxpr(fn)(*args))
+    assert "mpicoll_local_meeting" in program, program  # every size meets on CPU
+    return "split=False" in program
 
 
 # Small (a few elements, 4 KiB) and large (above the threshold, and above the
@@ -135,7 +139,7 @@ for size_name, count in SIZES.items():
             check(f"pmap vmap {name}", pmapped(jax.vmap(fn))(batch),
                   np.stack([want, reference(mine[:, ::-1], op)], axis=1), rtol)
 
-# The composition (combine off: GPUs, mpicoll.overlap()) splits its MPI work
+# The composition (the GPU path, traced here on CPU) splits its MPI work
 # over the devices above split_allreduce_bytes(L), which falls as 1 / (L - 1).
 if LOCAL > 1:
     edge = int(_ranks_devices.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
@@ -189,13 +193,13 @@ check("shard_map grad sum", shard_grad(G, W), composed(lambda: jax.jit(jax.shard
                                   * w[0])),
     mesh=MESH, in_specs=(P("i"), P("i")), out_specs=P("i")))(G, W)), 1e-12)
 
-# Inside mpicoll.overlap() the composition runs (its MPI calls overlap on the
-# progress threads); the result is the same.
+# Inside mpicoll.overlap() the meeting runs too: it is asynchronous itself (on
+# the devices' progress threads), so XLA computes meanwhile.
 with mpicoll.overlap():
     overlapped = shard_mapped(lambda v: mpicoll.allreduce(v, axis_name="i"), False)
     X = my_data(8, np.float32, 70)
-    if uses_combine(overlapped, X):
-        fail("overlap", "the local combine was used inside mpicoll.overlap()")
+    if not uses_combine(overlapped, X):
+        fail("overlap", "the meeting was not used inside mpicoll.overlap()")
     check("overlap sum", overlapped(X), reference(X, "sum"))
 
 # Successive calls never mix (the generation counter): a loop of dependent

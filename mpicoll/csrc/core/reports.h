@@ -23,7 +23,7 @@ constexpr double kProbeAfter = 0.5;  // s of waiting before the ranks are first 
 // How a rank's state reads in a report.
 
 // A local device waiting for the others of its process inside one call (the
-// local meeting, local_meeting.cc): no description of its own, and no sequence
+// local meeting, meeting/meeting.cc): no description of its own, and no sequence
 // on its device's communicator; the call's MPI part is its leader's, which
 // the report names instead wherever the leader is in it.
 inline bool WaitInsideCall(const CallState& c) { return c.call_hash == 0; }
@@ -39,6 +39,7 @@ inline bool InCallProper(const RankState& s) {
 inline std::string Describe(const CallState& c) {
   std::string text = std::string(c.call) + " on " + c.comm;
   if (c.device > 0) text += " (local device " + std::to_string(c.device) + ")";
+  if (WaitInsideCall(c)) text += ", waiting for this process's other local devices to meet";
   if (c.phase == kPhaseSetup) {
     return text + " (its first collective there: the communicator's setup, MPI_Comm_dup)";
   }
@@ -343,6 +344,13 @@ inline std::string TimeoutLine(int me, double limit, const RankState& mine) {
                   "setup, MPI_Comm_dup, MPICOLL_TIMEOUT=%g): another rank has not reached "
                   "its first collective there; aborting the job\n",
                   me, wait->seconds, wait->call, wait->comm, limit);
+  } else if (WaitInsideCall(*wait)) {  // the library's own wait, not the other ranks'
+    std::snprintf(line, sizeof(line),
+                  "mpicoll: rank %d: its local device %d has waited %.1f s in %s on %s for this "
+                  "process's other local devices to meet, which did not come (MPICOLL_TIMEOUT=%g; "
+                  "a device thread stopped outside mpicoll, or mpicoll's own fault: please "
+                  "report it); aborting the job\n",
+                  me, wait->device, wait->seconds, wait->call, wait->comm, limit);
   } else {
     const InFlight& f = in_flight[std::max(0, wait->device)];
     std::snprintf(line, sizeof(line),

@@ -75,33 +75,6 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
 // that disagree on overlapping a call get the mismatch error, not a hang.
 constexpr const char* kOverlappedSuffix = ", overlapped";
 
-ffi::Future CompletedFuture(const ffi::Error& err) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  if (err.failure()) {
-    promise.SetError(err);
-  } else {
-    promise.SetAvailable();
-  }
-  return future;
-}
-
-// Queues run() (returning ffi::Error) on the device's progress thread.
-template <typename Run>
-ffi::Future Overlap(int32_t device, Run&& run) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
-    ffi::Error err = run();
-    if (err.failure()) {
-      promise.SetError(std::move(err));
-    } else {
-      promise.SetAvailable();
-    }
-  });
-  return future;
-}
-
 // Point-to-point calls have only two ranks in a message: no barrier over the
 // communicator before them.
 template <typename Op>

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "../core/comm_table.h"
+#include "../core/execute.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpicoll {
@@ -85,14 +86,51 @@ struct Registration {
                              Platform##Fused_##Type});                                 \
   }
 
+// An asynchronous handler's result: a future already completed with `err`.
+inline ffi::Future CompletedFuture(const ffi::Error& err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (err.failure()) {
+    promise.SetError(err);
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Queues run() (returning ffi::Error) on the device's progress thread
+// (core/progress.h) and returns the future it completes: XLA holds none of its
+// threads while the job waits.
+template <typename Run>
+ffi::Future Overlap(int32_t device, Run&& run) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
+    ffi::Error err = run();
+    if (err.failure()) {
+      promise.SetError(std::move(err));
+    } else {
+      promise.SetAvailable();
+    }
+  });
+  return future;
+}
+
 // entries/cpu.cc: the CPU targets; the barrier, which serves every platform.
 std::vector<Registration> CpuRegistrations();
 XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
 
-// local_meeting.cc: collectives whose local devices meet in this process, and
-// the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic).
+// meeting/meeting.cc: collectives whose local devices meet in this process,
+// the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic),
+// and its kinds (meeting/kinds.def) for Python.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalMeeting);
 void SetGatherPieces(int pieces);
+struct MeetingKindRow {
+  const char* name;
+  int code;
+  bool rows_in;
+};
+std::vector<MeetingKindRow> MeetingKindRows();
 
 // entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
 // Runs collective `name` (a rank-block one) on `comm` from `in` to `out`

@@ -20,14 +20,15 @@
 #include <utility>
 #include <vector>
 
-#include "core/call.h"
-#include "core/collectives.h"
-#include "core/comm_table.h"
-#include "core/execute.h"
-#include "core/guard.h"
-#include "entries/entries.h"
-#include "memory/host.h"
-#include "memory/rows_in_place.h"
+#include "../core/call.h"
+#include "../core/collectives.h"
+#include "../core/comm_table.h"
+#include "../core/execute.h"
+#include "../core/guard.h"
+#include "../entries/entries.h"
+#include "../memory/host.h"
+#include "../memory/rows_in_place.h"
+#include "kinds.def"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpicoll {
@@ -96,31 +97,27 @@ namespace {
 // short spin before sleeping keeps the wake-up off the futex path at small
 // sizes.
 enum MeetingKind : int64_t {
-  kMeetAllreduce = 0,
-  kMeetAllgather = 1,
-  kMeetReduceScatter = 2,
-  kMeetAlltoall = 3,
-  kMeetPermute = 4,
-  kMeetBcast = 5,
-  kMeetReduce = 6,  // bcast's transpose: the sum at the root, zeros elsewhere
+#define MPICOLL_MEETING_ENUM(Enum, name, code, rows_in, reduces, mpi) Enum = code,
+  MPICOLL_MEETING_KINDS(MPICOLL_MEETING_ENUM)
+#undef MPICOLL_MEETING_ENUM
 };
 
-const char* KindName(int64_t kind) {
-  static const char* const names[] = {"allreduce", "allgather", "reduce_scatter", "alltoall",
-                                      "permute", "bcast", "reduce"};
-  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
+// A kind's row of kinds.def (nullptr for a code no row has).
+struct KindFacts {
+  const char* name;
+  bool rows_in, reduces;
+};
+const KindFacts* FactsOf(int64_t kind) {
+  static const KindFacts facts[] = {
+#define MPICOLL_MEETING_FACTS(Enum, name, code, rows_in, reduces, mpi) \
+  {name, rows_in, reduces},
+      MPICOLL_MEETING_KINDS(MPICOLL_MEETING_FACTS)
+#undef MPICOLL_MEETING_FACTS
+  };
+  constexpr int64_t count = sizeof(facts) / sizeof(facts[0]);
+  return kind >= 0 && kind < count ? &facts[kind] : nullptr;
 }
-
-// What the watchdog says a device waiting for the others of its process is in.
-const char* WaitingName(int64_t kind) {
-#define MPICOLL_WAITING(name) name " (waiting for this process's other local devices)"
-  static const char* const names[] = {
-      MPICOLL_WAITING("allreduce"), MPICOLL_WAITING("allgather"),
-      MPICOLL_WAITING("reduce_scatter"), MPICOLL_WAITING("alltoall"),
-      MPICOLL_WAITING("permute"), MPICOLL_WAITING("bcast"), MPICOLL_WAITING("reduce")};
-#undef MPICOLL_WAITING
-  return kind >= 0 && kind <= kMeetReduce ? names[kind] : "?";
-}
+const char* KindName(int64_t kind) { return FactsOf(kind) ? FactsOf(kind)->name : "?"; }
 
 struct LocalMeeting {
   std::mutex mutex;
@@ -230,6 +227,7 @@ struct Meeting {
   size_t row_bytes;
   ffi::Span<const int64_t> pairs;  // permute: (source row, destination row) pairs
   int64_t root;                    // bcast: the root participant's row
+  bool split = false;              // allreduce: every device allreduces its own slice
   const char* gathered = nullptr;  // allgather: the leader's output, every row in it
 };
 
@@ -250,13 +248,17 @@ bool RowsGoDirect(const Meeting& g) {
          g.row_bytes * g.local <= static_cast<size_t>(INT_MAX);
 }
 
+// The element range [begin, end) of slice `part` of `count` elements over `local` devices.
+std::pair<size_t, size_t> SliceOf(size_t count, int part, int local) {
+  return {count * part / local, count * (part + 1) / local};
+}
+
 // Slice `part` of the reduction of the L inputs (in device order, so the
 // result does not depend on who arrived first) into `into`, with MPI's own
 // operators (every op and dtype the MPI collective takes).  The slices are
 // disjoint: every thread reduces its own at once.
 ffi::Error ReduceLocalSlice(const LocalMeeting& m, const Call& c, int part, char* into) {
-  const size_t count = c.in_count;
-  const size_t begin = count * part / m.expected, end = count * (part + 1) / m.expected;
+  const auto [begin, end] = SliceOf(c.in_count, part, m.expected);
   const size_t offset = begin * c.elem_bytes;
   std::memcpy(into + offset, m.inputs[0] + offset, (end - begin) * c.elem_bytes);
   for (int i = 1; i < m.expected; ++i) {
@@ -268,6 +270,27 @@ ffi::Error ReduceLocalSlice(const LocalMeeting& m, const Call& c, int part, char
     }
   }
   return ffi::Error::Success();
+}
+
+// allreduce, split: this device's slice of the local reduction (Pack), across
+// the ranks on this device's own communicator, every device at once, inside
+// the meeting (so every MPI call of a call still runs between the threads'
+// arrival and their release: no device is elsewhere meanwhile).  Above
+// local_combine_bytes(L) per device this takes the node's link traffic over L
+// streams instead of one (Python decides: ops/ranks_devices.py).
+ffi::Error AllreduceOwnSlice(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t device,
+                             ffi::Span<const int64_t> dims) {
+  const auto [begin, end] = SliceOf(mine.in_count, g.part, g.local);
+  if (begin == end) return ffi::Error::Success();  // alike on every rank
+  Call c = mine;
+  c.in = c.out = m.send.data() + begin * c.elem_bytes;
+  c.in_count = c.out_count = end - begin;
+  HostMemory memory;
+  memory.advise_huge_pages = false;
+  return Execute<AllreduceOp>(c, device, memory, [&c, &g, dims] {
+    return Describe(c, c.dtype, dims, /*reduces=*/true, /*rooted=*/false) + ", slice " +
+           std::to_string(g.part) + " of " + std::to_string(g.local) + " local devices";
+  });
 }
 
 // permute: where row `row`'s pairs put their data.  The send buffer holds the
@@ -377,6 +400,7 @@ ffi::Error Lead(LocalMeeting& m, const Call& mine, const Meeting& g, int32_t dev
   };
   switch (g.kind) {
     case kMeetAllreduce:
+      if (g.split) return ffi::Error::Success();  // every device allreduced its slice
       c.in = c.out = m.send.data();
       c.in_count = c.out_count = row;
       return Execute<AllreduceOp>(c, device, memory, described("allreduce", true, false));
@@ -587,38 +611,23 @@ void SizeBuffers(LocalMeeting& m, const Meeting& g, size_t in_bytes) {
   }
 }
 
-ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                                ffi::Result<ffi::AnyBuffer> out, int32_t device,
-                                int64_t comm_slot, int64_t op, int64_t root, int64_t site,
-                                int64_t local, int64_t kind, ffi::Span<const int64_t> pairs,
-                                ffi::Span<const int64_t> groups) {
+// What a queued meeting call keeps of XLA's call frame.
+struct MeetingCall {
   Call c{};
-  const bool reduces = kind == kMeetAllreduce || kind == kMeetReduceScatter ||
-                       kind == kMeetReduce;
-  if (ffi::Error err = reduces ? PrepareArray<AllreduceOp>(c, x, out, device, comm_slot, 0, op,
-                                                           site, ffi::Span<const int64_t>())
-                               : PrepareArray<AllgatherOp>(c, x, out, device, comm_slot, 0, op,
-                                                           site, ffi::Span<const int64_t>());
-      err.failure()) {
-    return err;
-  }
-  // groups: each local device's group (those that meet), empty where all do.
-  const int64_t group = groups.size() == 0                             ? 0
-                        : device < static_cast<int64_t>(groups.size()) ? groups[device]
-                                                                       : -1;
-  if (local < 1 || local > kMaxLocalDevices || kind < kMeetAllreduce || kind > kMeetReduce ||
-      group < 0 || group >= kMaxLocalDevices) {
-    return ffi::Error::InvalidArgument("mpicoll: local meeting out of range");
-  }
-  c.name = KindName(kind);
-  const size_t in_bytes = c.in_count * c.elem_bytes, out_bytes = c.out_count * c.elem_bytes;
-  const int participants = c.size * static_cast<int>(local);
-  const bool rows_in = kind == kMeetReduceScatter || kind == kMeetAlltoall;
-  Meeting g{kind, c.size, static_cast<int>(local), c.rank, 0,
-            rows_in ? in_bytes / participants : in_bytes, pairs, root};
-  if (in_bytes == 0 && out_bytes == 0) return ffi::Error::Success();  // alike everywhere
-  progress_threads[device].Drain();  // this device's queued calls come first
-  LocalMeeting& m = MeetingFor(comm_slot, group);
+  Meeting g{};
+  std::vector<int64_t> dims, pairs;
+  int64_t group = 0, comm_slot = 0;
+};
+
+// One device's part of a meeting, on its progress thread.
+ffi::Error RunMeeting(MeetingCall& call, int32_t device, int64_t op, size_t in_bytes,
+                      size_t out_bytes) {
+  Call& c = call.c;
+  Meeting& g = call.g;
+  const int64_t kind = g.kind, local = g.local;
+  const ffi::Span<const int64_t> dims(call.dims);
+  const KindFacts* facts = FactsOf(kind);
+  LocalMeeting& m = MeetingFor(call.comm_slot, call.group);
   std::unique_lock<std::mutex> lock(m.mutex);
   const uint64_t generation = m.generation.load();
   const int index = m.arrived.load();
@@ -654,7 +663,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
   m.arrived.store(index + 1);
   m.changed.notify_all();
   Call waiting = c;
-  waiting.name = WaitingName(kind);
+  waiting.name = facts->name;  // reports.h: WaitInsideCall says what it waits for
   {
     InFlightScope watched(waiting, device, /*new_call=*/false);
     AwaitLocal(m, lock, [&] {
@@ -669,6 +678,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
     if (failed.empty()) {
       lock.unlock();
       ffi::Error err = Pack(m, c, g, c.in);
+      if (!err.failure() && g.split) err = AllreduceOwnSlice(m, c, g, device, dims);
       lock.lock();
       if (err.failure()) failed = std::string(err.message());
     }
@@ -682,7 +692,7 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
       }
       if (m.error.empty()) {
         lock.unlock();
-        ffi::Error err = Lead(m, c, g, device, x.dimensions());
+        ffi::Error err = Lead(m, c, g, device, dims);
         lock.lock();
         if (err.failure()) m.error = std::string(err.message());
       }
@@ -722,9 +732,68 @@ ffi::Error CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::T
   return ffi::Error::Success();
 }
 
+
+ffi::Future CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                                ffi::Result<ffi::AnyBuffer> out, int32_t device,
+                                int64_t comm_slot, int64_t op, int64_t root, int64_t site,
+                                int64_t local, int64_t kind, int64_t split,
+                                ffi::Span<const int64_t> pairs, ffi::Span<const int64_t> groups) {
+  auto call = std::make_shared<MeetingCall>();
+  Call& c = call->c;
+  const KindFacts* facts = FactsOf(kind);
+  if (facts == nullptr) {
+    return CompletedFuture(ffi::Error::InvalidArgument("mpicoll: unknown local meeting kind"));
+  }
+  const bool reduces = facts->reduces;
+  if (ffi::Error err = reduces ? PrepareArray<AllreduceOp>(c, x, out, device, comm_slot, 0, op,
+                                                           site, ffi::Span<const int64_t>())
+                               : PrepareArray<AllgatherOp>(c, x, out, device, comm_slot, 0, op,
+                                                           site, ffi::Span<const int64_t>());
+      err.failure()) {
+    return CompletedFuture(err);
+  }
+  // groups: each local device's group (those that meet), empty where all do.
+  const int64_t group = groups.size() == 0                             ? 0
+                        : device < static_cast<int64_t>(groups.size()) ? groups[device]
+                                                                       : -1;
+  if (local < 1 || local > kMaxLocalDevices || group < 0 || group >= kMaxLocalDevices) {
+    return CompletedFuture(ffi::Error::InvalidArgument("mpicoll: local meeting out of range"));
+  }
+  c.name = KindName(kind);
+  const size_t in_bytes = c.in_count * c.elem_bytes, out_bytes = c.out_count * c.elem_bytes;
+  const int participants = c.size * static_cast<int>(local);
+  const bool rows_in = facts->rows_in;
+  if (in_bytes == 0 && out_bytes == 0) return CompletedFuture(ffi::Error::Success());
+  // XLA's call frame does not outlive the handler: the job keeps copies.
+  call->dims.assign(x.dimensions().begin(), x.dimensions().end());
+  call->pairs.assign(pairs.begin(), pairs.end());
+  c.dims = call->dims.data();
+  call->g = Meeting{kind, c.size, static_cast<int>(local), c.rank, 0,
+                    rows_in ? in_bytes / participants : in_bytes, call->pairs, root,
+                    kind == kMeetAllreduce && split != 0};
+  call->group = group;
+  call->comm_slot = comm_slot;
+  // The meeting runs on the device's progress thread (core/progress.h), in this
+  // device's program order after its queued calls, and XLA holds none of its
+  // own threads while the devices wait for each other: so a pool with fewer
+  // threads than devices cannot starve the devices still computing (on 2
+  // cores, 2 ranks x 2 devices, a 4 MiB gradient step hung about half its
+  // runs when the meeting blocked XLA's thread; issue 43).
+  return Overlap(device, [call, device, op, in_bytes, out_bytes] {
+    return RunMeeting(*call, device, op, in_bytes, out_bytes);
+  });
+}
 }  // namespace
 
 void SetGatherPieces(int pieces) { gather_pieces_asked.store(pieces); }
+
+std::vector<MeetingKindRow> MeetingKindRows() {
+  return {
+#define MPICOLL_MEETING_ROW(Enum, name, code, rows_in, reduces, mpi) {name, code, rows_in},
+      MPICOLL_MEETING_KINDS(MPICOLL_MEETING_ROW)
+#undef MPICOLL_MEETING_ROW
+  };
+}
 
 // A collective whose local devices meet in this process (CPU only; see above).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, CpuLocalMeetingEntry,
@@ -740,6 +809,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, CpuLocalMeetingEntry,
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("local")
                                   .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("split")
                                   .Attr<ffi::Span<const int64_t>>("pairs")
                                   .Attr<ffi::Span<const int64_t>>("groups"));
 
