@@ -6,6 +6,8 @@
 #   make demo                    examples/demo.py under mpiexec -n 2
 #   make test-mpi4jax-suite      mpi4jax 0.9's own tests (downloaded) against mpicoll.mpi4jax,
 #                                at 1 and 2 ranks (tools/mpi4jax_suite.sh)
+#   make soak-devices            the longer ranks x devices soak: 16 MiB leaves, 1,000
+#                                training steps per mode at 2 x 2, 2 x 4, 3 x 2
 #   make test-multihost          tests/test_multihost.py: jobs on a cluster of hosts simulated
 #                                with namespaces (launch/simcluster.py); not in `make test`
 #   make bench-multihost         allreduce measurements at 2-4 simulated hosts, the fitted
@@ -188,7 +190,7 @@ EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; p
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test test-mpi4jax-suite test-multihost bench-multihost demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
+.PHONY: install test test-mpi4jax-suite test-multihost bench-multihost soak-devices demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -285,6 +287,16 @@ test-mpi4jax-suite: install
 test-multihost: install
 	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(TEST_TIMEOUT) \
 	    $(VPY) -m pytest -rs -m multihost $(PYTEST_ARGS) $(MULTIHOST_TESTS)
+
+# The longer soak over ranks x local devices (tests/programs/soak_devices.py):
+# 16 MiB leaves, 1,000 steps per case, every mode at 2 x 2, 2 x 4 and 3 x 2.
+SOAK_STEPS ?= 1000
+soak-devices: install
+	set -e; for case in "2 2" "2 4" "3 2"; do set -- $$case; \
+	  for mode in shard_map pmap global; do \
+	    $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) -s KILL $(TEST_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) \
+	      -n $$1 $(VPY) tests/programs/soak_devices.py $$2 $$mode $(SOAK_STEPS) 16777216; \
+	  done; done
 
 # The allreduce cost model: measurements at 2-4 simulated hosts, then the fit, the
 # projection to 1,000 nodes and docs/allreduce-model.svg (benchmarks/allreduce_model.py).

@@ -9,7 +9,7 @@ participant, by three algorithms:
   best      the least any algorithm sends: each byte a node needs from another node
             crosses once (the node-aware lower bound)
   mpicoll   the local devices meet and their process runs ONE MPI collective on the
-            packed data (csrc/local_meeting.cc): allgather / reduce-scatter /
+            packed data (csrc/meeting/meeting.cc): allgather / reduce-scatter /
             alltoall / alltoallv of the pairs / bcast, with the usual algorithms
             (ring allgather, pairwise reduce-scatter and alltoall)
   placed    what mpicoll did before: a sum (allreduce, reduce-scatter +

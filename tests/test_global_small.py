@@ -41,6 +41,6 @@ def test_a_device_that_never_arrives_ends_the_job_at_the_timeout():
     took = time.monotonic() - started
     assert result.returncode != 0, result.summary()
     assert "stray call returned" not in result.stdout, result.summary()
-    assert re.search(r"its local device \d has waited [\d.]+ s in allreduce on \S+ for this "
+    assert re.search(r"its local device \d has waited [\d.]+ s in allreduce\(\S+\) on \S+ for this "
                      r"process's other local devices to meet", result.stderr), result.summary()
     assert took >= timeout, result.summary()

@@ -161,7 +161,7 @@ if "cuda" in PLATFORMS:
     extension.set_gpu_transport(GPU_TRANSPORT == "cuda-aware", GPU_CHUNK_BYTES)
 
 
-# The local meeting's allgather pipeline (csrc/local_meeting.cc): 0 = automatic.
+# The local meeting's allgather pipeline (csrc/meeting/meeting.cc): 0 = automatic.
 extension.set_gather_pieces(_settings.current().gather_pieces)
 
 

@@ -66,7 +66,7 @@ class Settings:
     local_combine_bytes: float = DEFAULT_LOCAL_COMBINE_BYTES
     split_allreduce_bytes: float = DEFAULT_SPLIT_ALLREDUCE_BYTES
     # The pieces a global-mesh all_gather over processes and devices is gathered
-    # in (csrc/local_meeting.cc): 0 lets the extension choose (pieces where this
+    # in (csrc/meeting/meeting.cc): 0 lets the extension choose (pieces where this
     # process has two cores per local device), 1 gathers whole.
     gather_pieces: int = 0
 

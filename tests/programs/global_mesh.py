@@ -206,7 +206,7 @@ def a_local_axis_alone_meets_in_mpicolls_handler():
 def a_large_all_gather_lands_in_pieces():
     # A block of over 512 KiB per process is gathered in pieces (3, set above),
     # each copied out by the other devices while MPI moves the next
-    # (local_meeting.cc); rows of an odd length make the pieces unequal.  numpy's
+    # (meeting/meeting.cc); rows of an odd length make the pieces unequal.  numpy's
     # gather is the reference.
     everyone = np.random.default_rng(3).normal(size=(N, 100003)).astype(np.float32)
     for shape, names, axes in [((N,), ("x",), ("x",)),
@@ -227,7 +227,7 @@ def a_large_all_gather_lands_in_pieces():
 
 def a_large_all_to_all_moves_rows_in_place():
     # Rows of 64 KiB and more go to MPI from the devices' inputs and into their
-    # outputs, with no packed buffers (local_meeting.cc); 16411 float32 rows,
+    # outputs, with no packed buffers (meeting/meeting.cc); 16411 float32 rows,
     # one per participant in each device's block.  numpy's exchange is the reference.
     row = 16411
     everyone = np.random.default_rng(4).normal(size=(N, N * row)).astype(np.float32)

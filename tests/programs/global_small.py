@@ -4,7 +4,7 @@
 Every rank fakes L CPU devices.  Participant p = rank * L + k holds its own
 data; the reference is numpy over every participant's input, gathered from the
 ranks with mpi4py.  Below the threshold the program must contain mpicoll's
-own local combine (mpicoll_allreduce_local, csrc/local_meeting.cc), above it must not; results,
+one MPI call in the meeting (csrc/meeting/meeting.cc), above it split over the devices; results,
 output types (check_vma), vmap and gradients must match the lax composition
 (LOCAL_COMBINE_BYTES = 0 while tracing).  Prints "ALL OK" when every check
 passes.

@@ -1,7 +1,7 @@
 // RowsInPlace: the strategy for an exchange whose data MPI reads and writes
 // where it already is, in pieces spread over several buffers (the local
 // meeting's all_to_all and ppermute: rows in the devices' inputs and outputs,
-// local_meeting.cc).  For each rank it holds the pieces (address, bytes) of
+// meeting/meeting.cc).  For each rank it holds the pieces (address, bytes) of
 // what goes to it and of what comes from it, in message order, and runs one
 // MPI_Alltoallw whose datatypes name them by absolute address (MPI_BOTTOM).
 // (The interface a strategy implements is described above RunCollective,
