@@ -39,6 +39,7 @@
 #include "core/dtypes.h"
 #include "core/guard.h"
 #include "core/reduce_ops.h"
+#include "meeting/kinds.def"
 #include "entries/entries.h"
 #include "module_watch.h"
 #include "ops.def"
@@ -424,12 +425,14 @@ PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
 // Python: meeting_kinds() -> {name: (code, rows_in)}, meeting/kinds.def's rows.
 PyObject* MeetingKinds(PyObject*, PyObject*) {
   PyObject* kinds = PyDict_New();
-  for (const MeetingKindRow& row : MeetingKindRows()) {
-    if (!kinds) break;
-    PyObject* value = Py_BuildValue("(iO)", row.code, row.rows_in ? Py_True : Py_False);
-    if (!value || PyDict_SetItemString(kinds, row.name, value) < 0) Py_CLEAR(kinds);
-    Py_XDECREF(value);
+#define MPICOLL_MEETING_KIND_ROW(Enum, Type, name, code, rows_in, reduces)               \
+  if (kinds) {                                                                          \
+    PyObject* value = Py_BuildValue("(iO)", code, (rows_in) ? Py_True : Py_False);      \
+    if (!value || PyDict_SetItemString(kinds, name, value) < 0) Py_CLEAR(kinds);       \
+    Py_XDECREF(value);                                                                  \
   }
+  MPICOLL_MEETING_KINDS(MPICOLL_MEETING_KIND_ROW)
+#undef MPICOLL_MEETING_KIND_ROW
   return kinds;
 }
 

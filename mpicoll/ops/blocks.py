@@ -18,25 +18,34 @@ _SUM = _types.SUM
 _OP_NAMES = _types.OP_NAMES
 
 
-# The derivatives of the non-linear reductions (prod, min, max) of reduce and
-# allreduce (`spec`); linear in the tangent t.  The other reductions
-# differentiate op="sum" only.
-def _reduction_tangent(spec, x, y, t, params):
-    op = _OP_NAMES[params["op"]]
-    summed = lambda v: spec.run(v, params, op=_SUM)  # noqa: E731
+def reduction_tangent(name, op, x, selected, t, summed, gathered, own_row):
+    """The derivative of a reduction with the non-linear op (min, max, prod) over
+    some participants, linear in the tangent t: summed(v) sums v over them,
+    gathered() stacks every participant's x, own_row() is this participant's
+    place in that stack, selected is the min or max (reduce asks for it).  The
+    other reductions differentiate op="sum" only.  Shared by the rank-block
+    collectives here and the local meeting's allreduce (ops/local_meeting.py)."""
     if op in ("min", "max"):
         # Like jnp.max: the selected elements' tangents, ties sharing equally.
-        selected = y if spec is ALLREDUCE else ALLREDUCE.run(x, params)
-        chosen = (x == selected).astype(t.dtype)
+        chosen = (x == selected()).astype(t.dtype)
         count = summed(chosen)
         return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
     if op == "prod":
-        # d(prod_r x_r) = sum_r (product of the other ranks' x) * t_r: exact with zeros.
-        everyone = ALLGATHER.run(x, params, op=-1)
-        own = (jnp.arange(params["size"]) == _rank(params)).reshape((-1,) + (1,) * x.ndim)
+        # d(prod_p x_p) = sum_p (product of the others' x) * t_p: exact with zeros.
+        everyone = gathered()
+        own = (jnp.arange(everyone.shape[0]) == own_row()).reshape((-1,) + (1,) * x.ndim)
         others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
         return summed(others * t)
-    raise NotImplementedError(f"mpicoll.{spec.name}: op={op!r} has no derivative")
+    raise NotImplementedError(f"mpicoll.{name}: op={op!r} has no derivative")
+
+
+def _reduction_tangent(spec, x, y, t, params):
+    """reduction_tangent for reduce and allreduce (`spec`) across the ranks."""
+    return reduction_tangent(
+        spec.name, _OP_NAMES[params["op"]], x,
+        lambda: y if spec is ALLREDUCE else ALLREDUCE.run(x, params), t,
+        lambda v: spec.run(v, params, op=_SUM), lambda: ALLGATHER.run(x, params, op=-1),
+        lambda: _rank(params))
 
 
 # bcast: root's x on every rank.  The output is replicated (one value), so its

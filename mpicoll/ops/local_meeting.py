@@ -48,8 +48,9 @@ from ..primitive import varying as _typing
 from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
 # name -> (code, rows_in): the extension's table (csrc/meeting/kinds.def).
-KINDS = {name: code for name, (code, _) in _native.extension.meeting_kinds().items()}
-_ROWS_IN = {name for name, (_, rows_in) in _native.extension.meeting_kinds().items() if rows_in}
+_TABLE = _native.extension.meeting_kinds()
+KINDS = {name: code for name, (code, _) in _TABLE.items()}
+_ROWS_IN = {name for name, (_, rows_in) in _TABLE.items() if rows_in}  # one row per participant
 _SUM = _types.SUM
 
 
@@ -155,23 +156,14 @@ def _own_row(params):
 def _allreduce_tangent(x, y, t, params):
     """The derivative of allreduce with a non-linear op, each piece a meeting."""
     op = _types.OP_NAMES[params["op"]]
-    summed = lambda v: _rebind(v, **{**params, "op": _SUM})  # noqa: E731
     if params["whole"]:
         raise NotImplementedError(
             f"jax.lax.p{op} over axes spanning processes has no derivative (JAX defines "
             "none for pmax and pmin)")
-    if op in ("min", "max"):  # like jnp.max: the selected elements' tangents, ties equal
-        chosen = (x == y).astype(t.dtype)
-        count = summed(chosen)
-        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
-    if op == "prod":  # d(prod_p x_p) = sum_p (product of the others) * t_p: exact with zeros
-        gathered = {**params, "kind": "allgather", "op": 0, "split": False}
-        everyone = _rebind(x, **gathered)
-        own = (jnp.arange(everyone.shape[0]) == _own_row(params)).reshape(
-            (-1,) + (1,) * x.ndim)
-        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
-        return summed(others * t)
-    raise NotImplementedError(f"mpicoll.allreduce: op={op!r} has no derivative")
+    return _blocks.reduction_tangent(
+        "allreduce", op, x, lambda: y, t, lambda v: _rebind(v, **{**params, "op": _SUM}),
+        lambda: _rebind(x, **{**params, "kind": "allgather", "op": 0, "split": False}),
+        lambda: _own_row(params))
 
 
 def _jvp(primals, tangents, *, kind, **params):

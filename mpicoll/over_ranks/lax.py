@@ -210,11 +210,10 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather is typed varying and transposes to psum_scatter (transpose_sums);
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
     varying = not (invariant and _vma())
-    if who.layout == WHOLE:
-        typed = () if varying else (tuple(who.axes), who.rank_major_rows())
-        rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
-    elif who.meets():  # ranks x a local axis on CPU: rank-major rows
-        typed = () if varying else ((who.local_axis,), ())
+    if who.meets():  # rank-major rows, in the axes' order
+        typed = () if varying else (
+            (tuple(who.axes), who.rank_major_rows()) if who.layout == WHOLE
+            else ((who.local_axis,), ()))  # ranks x a local axis: rank * L + device
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
         rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)

@@ -120,17 +120,10 @@ ffi::Future Overlap(int32_t device, Run&& run) {
 std::vector<Registration> CpuRegistrations();
 XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
 
-// meeting/meeting.cc: collectives whose local devices meet in this process,
-// the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic),
-// and its kinds (meeting/kinds.def) for Python.
+// meeting/meeting.cc: collectives whose local devices meet in this process, and
+// the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalMeeting);
 void SetGatherPieces(int pieces);
-struct MeetingKindRow {
-  const char* name;
-  int code;
-  bool rows_in;
-};
-std::vector<MeetingKindRow> MeetingKindRows();
 
 // entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
 // Runs collective `name` (a rank-block one) on `comm` from `in` to `out`

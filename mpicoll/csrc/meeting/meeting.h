@@ -1,0 +1,95 @@
+// The local meeting's shared state (meeting.cc runs it, kinds.h fills it per
+// kind): what the L device threads of one communicator slot share during one
+// call, what one call is, and one device's turn in it.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../core/call.h"
+#include "../core/comm_table.h"
+#include "../core/guard.h"
+#include "kinds.def"
+#include "xla/ffi/api/ffi.h"
+
+namespace mpicoll {
+namespace meeting {
+
+enum MeetingKind : int64_t {
+#define MPICOLL_MEETING_ENUM(Enum, Type, name, code, rows_in, reduces) Enum = code,
+  MPICOLL_MEETING_KINDS(MPICOLL_MEETING_ENUM)
+#undef MPICOLL_MEETING_ENUM
+};
+
+// One per communicator slot and group of local devices (meeting.cc, MeetingFor).
+struct LocalMeeting {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::atomic<uint64_t> generation{0};  // calls completed
+  std::atomic<int> arrived{0};
+  std::atomic<int> packed{0};  // threads done packing in this call
+  std::atomic<int> copied{0};  // allgather: threads done copying the leader's output
+  std::atomic<size_t> gathered{0};  // allgather: elements of every rank block final in it
+  int expected = 0;
+  size_t bytes = 0;
+  int64_t kind = -1;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  int64_t op = -1;
+  const char* inputs[kMaxLocalDevices];
+  char* outputs[kMaxLocalDevices];  // written by other devices while packing (alltoall, permute)
+  int32_t devices[kMaxLocalDevices];
+  std::vector<char> send, receive;
+  std::vector<int64_t> counts;  // permute: MPI_Alltoallv's row size and counts
+  std::string mismatch;         // arrivals that disagree (never in one SPMD program)
+  std::string error;            // this generation's failure, seen by every thread
+};
+
+// What one call of the meeting is: the participants and the row they exchange.
+struct Meeting {
+  int64_t kind;
+  int ranks, local, rank, part;  // part: this device's place among the local devices
+  size_t row_bytes;
+  ffi::Span<const int64_t> pairs;  // permute: (source row, destination row) pairs
+  int64_t root;                    // bcast: the root participant's row
+  bool split = false;              // allreduce: every device allreduces its own slice
+  const char* gathered = nullptr;  // allgather: the leader's output, every row in it
+};
+
+// One device's turn in one call: the shared state, this device's own call
+// (its input, output and communicator), the call, and the input's shape.
+struct Turn {
+  LocalMeeting& m;
+  const Call& c;
+  const Meeting& g;
+  int32_t device;
+  ffi::Span<const int64_t> dims;
+};
+
+inline constexpr int64_t kLocalSpinNs = 50000;
+
+// Waits (spin, then sleep) until ready() holds; ready reads atomics only.
+template <typename Ready>
+inline void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready) {
+  if (ready()) return;
+  lock.unlock();
+  const int64_t spin_until = NowNs() + kLocalSpinNs;
+  while (!ready() && NowNs() < spin_until) std::this_thread::yield();
+  lock.lock();
+  m.changed.wait(lock, ready);
+}
+
+// The element range [begin, end) of slice `part` of `count` elements over `local` devices.
+inline std::pair<size_t, size_t> SliceOf(size_t count, int part, int local) {
+  return {count * part / local, count * (part + 1) / local};
+}
+
+}  // namespace meeting
+}  // namespace mpicoll
