@@ -65,15 +65,19 @@ def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=(), op=
     allreduce's MPI work on every device's own slice.  invariant: for a result
     typed invariant (all_gather_invariant, mpicoll.bcast), (the axes it is
     invariant over, the rank-major row of each participant in their order, or ()
-    for rank * L + the index on the last of the axes).  allreduce only:
-    axis_name, the local axis its result is invariant over, and whole, whether
-    the meeting is the entire collective over it (a global mesh's axes) rather
-    than mpicoll's ranks x devices one (axis_name=)."""
+    for rank * L + the index on the last of the axes).  axis_name: the local
+    axis of mpicoll's ranks x devices collectives (None on a global mesh): the
+    input is typed varying over it, as JAX's collective over it types it, and
+    allreduce's result invariant.  whole (allreduce): the meeting is the entire
+    collective over its axes (a global mesh's, or a process's devices alone)
+    rather than mpicoll's ranks x devices one (axis_name=)."""
     params = dict(comm=comm.slot, size=comm.size, root=int(root), op=op,
                   transpose_sums=not _compat.check_vma_enabled(),
                   checked_ad=_typing.autodiff_checked())
     if kind == "allreduce":
         params = _typing.typed_params(params)
+    elif axis_name is not None and _compat.check_vma_enabled():
+        x = _compat.pvary(x, (axis_name,))
     x = _typing.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
     return local_meeting_p.bind(x, kind=kind, local=local, pairs=flat, groups=tuple(groups),

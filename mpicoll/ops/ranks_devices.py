@@ -43,7 +43,6 @@ or taken once (shard_map with check_vma).
 
 import contextlib
 import functools
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -103,21 +102,22 @@ def split_allreduce_bytes(local):
 def meets(local):
     """Whether the `local` device threads meet in mpicoll's handler: on CPU, for
     every kind and size (one mechanism; the module docstring says why)."""
-    return local > 1 and jax.default_backend() == "cpu" and not _composing_on_cpu[0]
+    return local > 1 and jax.default_backend() == "cpu" and not _composing_on_cpu
 
 
-_composing_on_cpu = [False]
+_composing_on_cpu = False
 
 
 @contextlib.contextmanager
 def composed_on_cpu():
     """Tests only: trace the GPU composition on CPU (the one way to run it here).
     Not deadlock-free on CPU (the module docstring says why): single programs only."""
-    _composing_on_cpu[0], previous = True, _composing_on_cpu[0]
+    global _composing_on_cpu
+    _composing_on_cpu, previous = True, _composing_on_cpu
     try:
         yield
     finally:
-        _composing_on_cpu[0] = previous
+        _composing_on_cpu = previous
 
 
 def _local_axis_size(axis_name, caller):
@@ -135,14 +135,6 @@ def _reduction_arguments(x, op, comm, axis_name, caller):
     x = _validate.as_array(x, caller)
     op = _types.checked_op(op, x.dtype, caller)
     return x, op, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
-
-
-def _meet(x, kind, info, axis_name, local, **params):
-    """The meeting of the `local` devices of axis_name over every rank of info;
-    x typed varying over the local axis too, as JAX's collective over it types it."""
-    if _compat.check_vma_enabled():
-        x = _compat.pvary(x, (axis_name,))
-    return _local_meeting.meet(x, kind, info, local, **params)
 
 
 def allreduce(x, op, comm, axis_name):
@@ -200,7 +192,7 @@ def allgather(x, comm, axis_name):
     info = comm_layer.resolve(comm, "allgather")
     local = _local_axis_size(axis_name, "allgather")
     if meets(local):
-        return _meet(x, "allgather", info, axis_name, local)
+        return _local_meeting.meet(x, "allgather", info, local, axis_name=axis_name)
     # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
     across_ranks = bind(_blocks.ALLGATHER, x, comm=info, transpose_sums=True)
     everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
@@ -223,7 +215,7 @@ def alltoall(x, comm, axis_name):
     local = _local_axis_size(axis_name, "alltoall")
     blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
     if meets(local):
-        return _meet(x, "alltoall", info, axis_name, local)
+        return _local_meeting.meet(x, "alltoall", info, local, axis_name=axis_name)
     # Device k' receives, from every local device k, the rows meant for devices k':
     # [dest rank, src device].
     blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
@@ -241,8 +233,8 @@ def bcast(x, root, comm, axis_name):
     vma = _compat.check_vma_enabled()
     if meets(local):
         # Typed invariant, like the composition: the same value on every participant.
-        return _meet(x, "bcast", info, axis_name, local, root=root,
-                     invariant=((axis_name,), ()) if vma else ())
+        return _local_meeting.meet(x, "bcast", info, local, axis_name=axis_name, root=root,
+                                   invariant=((axis_name,), ()) if vma else ())
     root_rank, root_device = divmod(root, local)
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
@@ -254,8 +246,8 @@ def reduce_scatter(x, op, comm, axis_name):
     x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
     blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
     if meets(local):
-        return _meet(x, "reduce_scatter", info, axis_name, local,
-                     op=_types.op_code(op, x.dtype, "reduce_scatter"))
+        return _local_meeting.meet(x, "reduce_scatter", info, local, axis_name=axis_name,
+                                   op=_types.op_code(op, x.dtype, "reduce_scatter"))
     if op.name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
         mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]

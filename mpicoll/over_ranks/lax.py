@@ -117,12 +117,11 @@ class _Participants:
                                         and jax.default_backend() == "cpu")
 
     def meet(self, x, kind, **params):
-        """_local_meeting.meet over these participants; x typed varying over the
-        local axis too, as JAX's collective over it would type it."""
-        if self.layout == RANKS_X_AXIS and _vma():
-            x = _compat.pvary(x, (self.local_axis,))
+        """_local_meeting.meet over these participants (over ranks x a local axis,
+        x typed varying over that axis too)."""
+        local_axis = self.local_axis if self.layout == RANKS_X_AXIS else None
         return _local_meeting.meet(x, kind, self.comm, self.local, groups=self.groups,
-                                   **params)
+                                   axis_name=local_axis, **params)
 
     def index(self, axes):
         """This participant's index in the axes' order (traced where it depends on the device)."""

@@ -8,7 +8,8 @@ mpicoll.distributed.initialize()).  Every step computes the gradients of a
 model whose leaves run from 4 B to LARGEST_BYTES per device (default 4 MiB:
 a scalar, vectors, matrices, a small tanh MLP), reduced over every device of
 every rank, and runs an all_gather, a psum_scatter and a ppermute (pmap: an
-alltoall) and a pmean of the loss beside it: every collective kind and size
+alltoall) and a pmean of the loss beside it (pmap: XLA's own pmean over the
+devices, then mpicoll's per-device allreduce over the ranks): every collective kind and size
 in one program, the mix that hung before issue 43.  Each step's results are
 compared with numpy on every participant's regenerated data (the linear
 leaves exactly; the MLP's gradient against each participant's own gradient
@@ -65,7 +66,7 @@ def loss(params, linear, inputs):
     return total + jnp.mean((hidden @ params["w2"]) ** 2)
 
 
-alone = jax.jit(jax.grad(loss))  # one participant's own gradient, no collective
+alone = jax.jit(jax.value_and_grad(loss))  # one participant's own, no collective
 
 
 def extras(p, step):
@@ -98,7 +99,9 @@ def body_lax(axes, params, linear, inputs, gathered, scattered, shifted):
 def body_pmap(params, linear, inputs, gathered, scattered, shifted):
     value, grads = jax.value_and_grad(loss)(params, linear, inputs)
     grads = jax.tree.map(lambda g: mpicoll.allreduce(g, axis_name="d"), grads)
-    mean = mpicoll.allreduce(value, axis_name="d") / N
+    # As users write it: XLA's own pmean over the devices, then mpicoll's
+    # per-device allreduce over the ranks, beside the meetings above.
+    mean = mpicoll.allreduce(jax.lax.pmean(value, "d")) / SIZE
     everyone = mpicoll.allgather(gathered, axis_name="d")
     mine = mpicoll.reduce_scatter(scattered.reshape(N, 3), axis_name="d")
     # Each participant's row goes to every participant (alltoall of N copies).
@@ -154,12 +157,16 @@ for step in range(STEPS):
         if not np.array_equal(grads[name], want):
             failures.append(f"step {step} grad {name}: max error "
                             f"{np.abs(grads[name] - want).max()}")
-    if step % 10 == 0 or step == STEPS - 1:  # the MLP against each participant alone
+    if step % 10 == 0 or step == STEPS - 1:  # the MLP and the loss, each participant alone
         own = [alone(PARAMS, *d) for d in everyone_data]
         for name in MLP:
-            want = np.sum([np.asarray(g[name]) for g in own], axis=0)
+            want = np.sum([np.asarray(g[name]) for _, g in own], axis=0)
             if not np.allclose(grads[name], want, rtol=2e-4, atol=2e-5):
                 failures.append(f"step {step} grad {name}")
+        mean_here = np.asarray(mean).ravel()[0] if MODE != "global" else np.asarray(
+            mean.addressable_shards[0].data).ravel()[0]
+        if not np.allclose(mean_here, np.mean([float(v) for v, _ in own]), rtol=1e-5):
+            failures.append(f"step {step} mean loss {mean_here}")
     rows = local_rows(everyone) if MODE != "pmap" else np.asarray(everyone)
     want_rows = np.array([extras(p, step)[0] for p in range(N)])
     if not all(np.array_equal(rows[k], want_rows) for k in range(L)):
