@@ -10,7 +10,6 @@
 #pragma once
 
 #include <mpi.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <climits>
@@ -101,11 +100,7 @@ inline int GatherPieces(int local) {
   if (const int asked = gather_pieces_asked.load(std::memory_order_relaxed); asked > 0) {
     return asked;
   }
-  static const int cores = [] {
-    cpu_set_t set;
-    return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  }();
-  return cores >= 2 * local ? kGatherPieces : 1;
+  return CoresHere() >= 2 * local ? kGatherPieces : 1;
 }
 
 struct GatherPipeline : HostMemory {

@@ -3,6 +3,8 @@
 // call, what one call is, and one device's turn in it.
 #pragma once
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -73,16 +75,33 @@ struct Turn {
   ffi::Span<const int64_t> dims;
 };
 
+// The cores this process may run on (its affinity mask).
+inline int CoresHere() {
+  static const int cores = [] {
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  }();
+  return cores;
+}
+
+// A waiting device spins this long before it sleeps, where the process has two
+// cores per local device: the wake-up then stays off the futex path at small
+// sizes.  Where the device threads outnumber the cores, spinning takes the
+// cores from the threads being waited for: 2 ranks x 4 devices on 2 cores,
+// 4 MiB allreduce 15.0-19.7 ms with the spin, 13.0-15.9 without; 2 x 2, 16 B
+// 236-269 us with, 210-218 without.
 inline constexpr int64_t kLocalSpinNs = 50000;
 
-// Waits (spin, then sleep) until ready() holds; ready reads atomics only.
+// Waits (spin where cores allow, then sleep) until ready() holds; ready reads atomics only.
 template <typename Ready>
 inline void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready) {
   if (ready()) return;
-  lock.unlock();
-  const int64_t spin_until = NowNs() + kLocalSpinNs;
-  while (!ready() && NowNs() < spin_until) std::this_thread::yield();
-  lock.lock();
+  if (CoresHere() >= 2 * m.expected) {
+    lock.unlock();
+    const int64_t spin_until = NowNs() + kLocalSpinNs;
+    while (!ready() && NowNs() < spin_until) std::this_thread::yield();
+    lock.lock();
+  }
   m.changed.wait(lock, ready);
 }
 
