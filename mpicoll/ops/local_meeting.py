@@ -203,7 +203,7 @@ def _transpose(ct, x, *, kind, pairs, invariant=(), **params):
             ct = _compat.pvary(ct, (local_axis,))
         return [ct]
     if invariant:  # the result is the same on every participant: its cotangent counts once
-        own = _own_row({**params, "axis_name": None})
+        own = _own_row(params)
         if kind == "allgather":  # JAX's all_gather_invariant's: this participant's own row
             return [_typing.typed_like(lax.dynamic_index_in_dim(ct, own, 0, keepdims=False),
                                        x.aval, params)]
