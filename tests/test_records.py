@@ -94,6 +94,53 @@ def test_a_rank_that_skipped_a_collective_is_named_behind(tmp_path):
     assert text.endswith("the ranks diverge on 1 of 1 communicator (above)\n"), text
 
 
+MEETING = "mpicoll:MPI_COMM_WORLD:meeting of devices 0,1"
+
+
+def _meetings(rank, last, device, running=None):
+    """Meetings 1..last of local `device` (csrc/meeting/meeting.cc records each device's),
+    `running` not finished at the dump, on 2 ranks."""
+    return [_event(rank, s, "allreduce(float32[4])", s * 10**9,
+                   None if s == running else s * 10**9 + 200_000_000, comm=MEETING,
+                   members="0,1", device=device)
+            for s in range(1, last + 1)]
+
+
+def test_local_devices_that_did_not_meet_are_not_a_skipped_collective(tmp_path):
+    # Rank 1's device 1 never reached meeting 6 (stopped in a host callback, say): its
+    # device 0 waits there, and so rank 1's leader never joined rank 0's MPI call.
+    _write(tmp_path, 0, _allreduces(0, 6, running=6, members="0,1")
+           + _meetings(0, 6, 0, running=6) + _meetings(0, 6, 1, running=6), size=2)
+    _write(tmp_path, 1, _allreduces(1, 5, members="0,1")
+           + _meetings(1, 6, 0, running=6) + _meetings(1, 5, 1), size=2)
+    text, diverged = _records.flight_report(_records.load(tmp_path))
+    assert diverged, text
+    assert "  rank 1 has not reached sequence 6 (its last: sequence 5, allreduce(float32[4]) " \
+        "at job.py:5; its local devices did not meet: below)\n" in text, text
+    assert "MPI_COMM_WORLD, rank 1: its local devices 0, 1 did not meet\n" \
+        "  local device 0 waits in meeting 6, allreduce(float32[4]) at job.py:6 (not " \
+        "finished: in it for 4.0 s)\n" \
+        "  local device 1 has not arrived (its last: meeting 5, allreduce(float32[4]) at " \
+        "job.py:5 (finished 4.8 s before the dump))\n" in text, text
+    assert "meeting of devices" not in text, text  # no cross-rank verdict on the meetings
+    assert text.endswith("the ranks did not skip a collective: the local devices of rank 1 "
+                         "did not meet (above)"), text
+    assert [(u.rank, [r.device for r in u.waiting], list(u.absent))
+            for u in _records.unmet_meetings(_records.load(tmp_path))] == [(1, [0], [1])]
+
+
+def test_a_rank_whose_devices_all_skipped_a_meeting_skipped_a_collective(tmp_path):
+    # Every device of rank 1 is at meeting 5: they met; rank 1's program is behind.
+    _write(tmp_path, 0, _allreduces(0, 6, running=6, members="0,1")
+           + _meetings(0, 6, 0, running=6) + _meetings(0, 6, 1, running=6), size=2)
+    _write(tmp_path, 1, _allreduces(1, 5, members="0,1")
+           + _meetings(1, 5, 0) + _meetings(1, 5, 1), size=2)
+    text, diverged = _records.flight_report(_records.load(tmp_path))
+    assert diverged and not _records.unmet_meetings(_records.load(tmp_path)), text
+    assert "did not meet" not in text, text
+    assert text.endswith("the ranks diverge on 1 of 1 communicator (above)"), text
+
+
 def test_a_rank_without_a_file_is_a_divergence(tmp_path):
     # Rank 1 finished its script (it wrote nothing) while ranks 0 and 2 wait in sequence 6.
     for rank in (0, 2):

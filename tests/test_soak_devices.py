@@ -54,3 +54,25 @@ def test_a_late_device_is_waited_for_not_reported_as_a_divergence(devices):
     assert result.returncode == 0, result.summary()
     assert f"SLOW DEVICE OK (2 ranks x {devices} devices)" in result.stdout, result.summary()
     assert "mpicoll:" not in result.stderr, result.summary()
+
+
+def test_a_device_that_never_arrives_is_reported_as_devices_that_did_not_meet(tmp_path):
+    # The late device sleeps past MPICOLL_TIMEOUT: the job ends with the library's
+    # wait named (not a divergence), and the flight records say the local devices of
+    # rank 1 did not meet, not that a rank skipped a collective.
+    result = run_mpiexec(2, [sys.executable, PROGRAM.parent / "slow_device.py", 2, 600],
+                         env={"MPICOLL_TIMEOUT": "6", "MPICOLL_FLIGHT_DIR": str(tmp_path)},
+                         timeout=180)
+    assert result.returncode != 0, result.summary()
+    assert "for this process's other local devices to meet, which did not come" in \
+        result.stderr, result.summary()
+    assert "diverge" not in result.stderr, result.summary()
+    analysed = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+    assert analysed.returncode == 1, analysed.stdout + analysed.stderr
+    assert "MPI_COMM_WORLD, rank 1: its local devices 0, 1 did not meet\n" \
+        "  local device 0 waits in meeting 1" in analysed.stdout, analysed.stdout
+    assert "  local device 1 has not arrived (none in its records)" in analysed.stdout, \
+        analysed.stdout
+    assert analysed.stdout.endswith("the ranks did not skip a collective: the local devices "
+                                    "of rank 1 did not meet (above)\n"), analysed.stdout

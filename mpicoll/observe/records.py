@@ -107,6 +107,15 @@ def _record(rank, event):
                   finished_ns=args["finished_ns"], failed=args["failed"])
 
 
+_MEETING = re.compile(r"(.*):meeting of devices ([\d,]+)$")
+
+
+def _meeting_devices(comm):
+    """'mpicoll:MPI_COMM_WORLD:meeting of devices 0,1' -> [0, 1]; None for a communicator."""
+    match = _MEETING.match(comm)
+    return [int(d) for d in match.group(2).split(",")] if match else None
+
+
 def _comm_title(comm, members):
     """mpicoll:MPI_COMM_WORLD:device0 -> MPI_COMM_WORLD, local device 0 (ranks 0,1,2)."""
     name, device = comm, None
@@ -163,7 +172,8 @@ def streams(files):
     held = {}  # (comm, members) -> rank -> sequence -> Record
     for f in files:
         for r in f.records:
-            if r.sequence:  # 0: point-to-point, two ranks' business
+            # 0: point-to-point, two ranks' business; a meeting: the local devices' (below)
+            if r.sequence and _meeting_devices(r.comm) is None:
                 held.setdefault(r.stream, {}).setdefault(f.rank, {})[r.sequence] = r
     found = []
     for (comm, members), ranks in held.items():
@@ -185,6 +195,60 @@ def streams(files):
         found.append(Stream(comm, members, last, [m for m in expected if m not in by_rank],
                             differ_at, calls))
     return [s for s in found if s.diverged] + [s for s in found if not s.diverged]
+
+
+@dataclasses.dataclass
+class Unmet:
+    """A meeting of one rank's local devices that some of them have not reached: those in
+    it wait for the others, which are still short of it."""
+    rank: int
+    comm: str        # the communicator's name, e.g. mpicoll:MPI_COMM_WORLD
+    waiting: list    # Records of the devices in the meeting (not finished)
+    absent: dict     # device -> its last Record on this meeting (None: none kept)
+
+
+def unmet_meetings(files):
+    """[Unmet] of every rank whose local devices did not meet: one device is inside meeting
+    N (csrc/meeting/meeting.cc records each device's meetings) while another of the same
+    meeting is short of N.  The ranks' programs cannot do that (each device runs the same
+    program): a device that does not arrive is still computing, stopped outside mpicoll,
+    or mpicoll deadlocked."""
+    found = []
+    for f in files:
+        mine = {}  # comm -> device -> its last Record
+        for r in f.records:
+            if _meeting_devices(r.comm) is not None:
+                last = mine.setdefault(r.comm, {}).get(r.device)
+                if last is None or r.sequence > last.sequence:
+                    mine[r.comm][r.device] = r
+        for comm, last in mine.items():
+            top = max(r.sequence for r in last.values())
+            waiting = [r for r in last.values() if r.sequence == top and r.finished_ns is None]
+            absent = {d: last.get(d) for d in _meeting_devices(comm)
+                      if d not in last or last[d].sequence < top}
+            if waiting and absent:
+                found.append(Unmet(f.rank, _MEETING.match(comm).group(1),
+                                   sorted(waiting, key=lambda r: r.device), absent))
+    return found
+
+
+def _unmet_lines(unmet, written):
+    name = unmet.comm[len("mpicoll:"):] if unmet.comm.startswith("mpicoll:") else unmet.comm
+    devices = sorted([r.device for r in unmet.waiting] + list(unmet.absent))
+    lines = [f"{name}, rank {unmet.rank}: its local devices {', '.join(map(str, devices))} "
+             "did not meet"]
+    for r in unmet.waiting:
+        lines.append(f"  local device {r.device} waits in meeting {r.sequence}, {r.call}"
+                     f"{_where(r)} ({_age([r], written)})")
+    for device, r in sorted(unmet.absent.items()):
+        last = ("none in its records" if r is None else
+                f"its last: meeting {r.sequence}, {r.call}{_where(r)} ({_age([r], written)})")
+        lines.append(f"  local device {device} has not arrived ({last})")
+    lines.append("  the program did not skip a collective here (every device runs the same "
+                 "program): a device that has not arrived is still computing toward it, is "
+                 "stopped outside mpicoll (a host callback, another library, XLA), or mpicoll "
+                 "deadlocked (please report it)")
+    return lines
 
 
 def divergences(files):
@@ -245,9 +309,11 @@ def _no_file_reason(files, count):
     return f"{its} had ended or could not be asked"
 
 
-def _stream_lines(stream, by_rank):
+def _stream_lines(stream, by_rank, unmet_ranks=()):
     """The lines of one communicator: what diverges (each rank behind or ahead named), then
-    each member's last collective there."""
+    each member's last collective there.  A rank in `unmet_ranks` is behind because its
+    local devices did not meet (said where it is named)."""
+    unmet_note = "; its local devices did not meet: below"
     written = {rank: f.written_ns for rank, f in by_rank.items()}
     title = _comm_title(stream.comm, stream.members)
     top = stream.top
@@ -273,13 +339,15 @@ def _stream_lines(stream, by_rank):
         f = by_rank[rank]
         kept = (f"none of the {len(f.records)} records it kept is on this communicator"
                 if f.kept == "last" else "it has no record on this communicator")
-        lines.append(f"  rank {rank} has not reached sequence {top} ({kept})")
+        lines.append(f"  rank {rank} has not reached sequence {top} ({kept}"
+                     f"{unmet_note if rank in unmet_ranks else ''})")
     reached = [record for record in behind.values() if record is not None]
     for group in _grouped(reached, lambda r: (r.sequence, r.call, r.site)).values():
         ranks = [r.rank for r in group]
         lines.append(f"  {_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} not reached "
                      f"sequence {top} ({'its' if len(ranks) == 1 else 'their'} last: sequence "
-                     f"{group[0].sequence}, {group[0].call}{_where(group[0])})")
+                     f"{group[0].sequence}, {group[0].call}{_where(group[0])}"
+                     f"{unmet_note if set(ranks) <= set(unmet_ranks) else ''})")
     if stream.no_file:
         lines.append(f"  {_ranks(stream.no_file)}: no flight records "
                      f"({_no_file_reason(by_rank.values(), len(stream.no_file))})")
@@ -322,12 +390,21 @@ def flight_report(files):
     for _, head in sorted(heads, key=lambda entry: entry[0]):
         lines += head
     found = streams(files)
+    unmet = unmet_meetings(files)
+    unmet_ranks = sorted({u.rank for u in unmet})
     for stream in found:
         lines.append("")
-        lines += _stream_lines(stream, by_rank)
+        lines += _stream_lines(stream, by_rank, unmet_ranks)
+    written = {rank: f.written_ns for rank, f in by_rank.items()}
+    for u in unmet:
+        lines.append("")
+        lines += _unmet_lines(u, written)
     lines.append("")
     diverging = [s for s in found if s.diverged]
-    if diverging:
+    if unmet:
+        lines.append(f"the ranks did not skip a collective: the local devices of "
+                     f"{_ranks(unmet_ranks)} did not meet (above)")
+    elif diverging:
         lines.append(f"the ranks diverge on {len(diverging)} of {len(found)} "
                      f"communicator{'s' if len(found) > 1 else ''} (above)")
     elif absent:
@@ -340,4 +417,4 @@ def flight_report(files):
         lines.append("the ranks agree: every rank wrote its records, and on every "
                      "communicator every member is at the same sequence number, having called "
                      "the same collectives")
-    return "\n".join(lines), bool(diverging or absent)
+    return "\n".join(lines), bool(unmet or diverging or absent)

@@ -8,7 +8,7 @@ import html
 import json
 import os
 
-from .records import load
+from .records import _meeting_devices, load
 
 
 @dataclasses.dataclass
@@ -21,6 +21,12 @@ class Span:
     start_ns: int     # on rank 0's clock
     last_arrival_ns: int
     finished_ns: int
+
+    @property
+    def meeting(self):
+        """A meeting of local devices (its wait: for the last device of any rank to
+        arrive), not an MPI call."""
+        return _meeting_devices(self.comm) is not None
 
     @property
     def wait_ns(self):
@@ -67,6 +73,11 @@ def merged_trace(files, all_spans):
     for s in all_spans:
         common = {"pid": s.rank, "tid": s.device,
                   "args": {"sequence": s.sequence, "comm": s.comm}}
+        if s.meeting:
+            events.append({"ph": "X", "cat": "meeting", "name": f"meeting: {s.call}",
+                           "ts": (s.start_ns - origin) / 1e3,
+                           "dur": (s.finished_ns - s.start_ns) / 1e3, **common})
+            continue
         if s.wait_ns:
             events.append({"ph": "X", "cat": "wait", "name": f"wait: {s.call}",
                            "ts": (s.start_ns - origin) / 1e3, "dur": s.wait_ns / 1e3,
@@ -82,6 +93,8 @@ def totals(all_spans):
     """{rank: (collectives, wait ns, transfer ns, times it arrived last)}."""
     out = {}
     for s in all_spans:
+        if s.meeting:  # the leader's MPI call inside it has its own span
+            continue
         n, wait, transfer, last = out.get(s.rank, (0, 0, 0, 0))
         out[s.rank] = (n + 1, wait + s.wait_ns, transfer + s.transfer_ns,
                        last + (s.start_ns == s.last_arrival_ns))
@@ -91,7 +104,8 @@ def totals(all_spans):
 def trace_summary(files, all_spans):
     """The text `python -m mpicoll trace DIR` prints, the straggler named."""
     per_rank = totals(all_spans)
-    lines = [f"timeline of {len(files)} ranks, {len(all_spans)} collectives "
+    calls = sum(1 for s in all_spans if not s.meeting)
+    lines = [f"timeline of {len(files)} ranks, {calls} collectives "
              "(wait: for the last rank to arrive; transfer: from then to this rank's finish)",
              f"  {'rank':>4}  {'host':<16} {'calls':>6} {'wait ms':>10} {'transfer ms':>12} "
              f"{'arrived last':>13}"]
@@ -114,7 +128,7 @@ def trace_summary(files, all_spans):
 def picture(files, all_spans, width=1000):
     """An SVG: one row per rank and local device, each collective's wait (orange)
     and transfer (blue) on one time axis, and each rank's totals at the right."""
-    rows = sorted({(s.rank, s.device) for s in all_spans})
+    rows = sorted({(s.rank, s.device) for s in all_spans if not s.meeting})
     if not rows:
         rows = [(f.rank, 0) for f in files]
     origin = min((s.start_ns for s in all_spans), default=0)
@@ -127,7 +141,8 @@ def picture(files, all_spans, width=1000):
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="10" y="18" font-size="14">mpicoll timeline: {len(all_spans)} collectives, '
+           f'<text x="10" y="18" font-size="14">mpicoll timeline: '
+           f'{sum(1 for s in all_spans if not s.meeting)} collectives, '
            f'{(end - origin) * 1e-6:.2f} ms; orange: waiting for peers, blue: transfer</text>']
     for index, (rank, device) in enumerate(rows):
         y = top + index * row_height
@@ -135,7 +150,7 @@ def picture(files, all_spans, width=1000):
         out.append(f'<line x1="110" x2="{width - 200}" y1="{y + 10}" y2="{y + 10}" '
                    'stroke="#ddd"/>')
         for s in all_spans:
-            if (s.rank, s.device) != (rank, device):
+            if (s.rank, s.device) != (rank, device) or s.meeting:
                 continue
             x = 110 + (s.start_ns - origin) * scale
             if s.wait_ns:

@@ -43,7 +43,9 @@ inline std::string Describe(const CallState& c) {
   if (c.phase == kPhaseSetup) {
     return text + " (its first collective there: the communicator's setup, MPI_Comm_dup)";
   }
-  text += ", sequence " + std::to_string(c.sequence);
+  // A wait inside a call has no sequence number of its own (the flight records
+  // number the device's meetings instead: meeting.cc, MeetingRecord).
+  if (!WaitInsideCall(c)) text += ", sequence " + std::to_string(c.sequence);
   if (c.site[0]) text += std::string(", called at ") + c.site;
   if (c.phase == kPhaseChecking) text += " (comparing it across the ranks)";
   return text;

@@ -155,7 +155,39 @@ struct MeetingCall {
   Call c{};
   Meeting g{};
   std::vector<int64_t> dims, pairs;
-  int64_t group = 0, comm_slot = 0;
+  LocalMeeting* meeting = nullptr;
+  std::string devices;  // "0,1": the devices that meet, until the meeting has its identity
+};
+
+// The meeting's own flight record on each device, from its arrival to its
+// return: sequence N on "<communicator>:meeting of devices 0,1" is the N-th
+// meeting of those devices there.  Every device of every rank counts the same
+// meetings, so `python -m mpicoll flight` tells a device that has not arrived
+// at its rank's meeting (the devices did not meet: never the program's doing)
+// from a rank that skipped a collective (observe/records.py).  The leader's
+// MPI call inside the meeting keeps its own record on its communicator.
+struct MeetingRecord {
+  FlightRecord* record = nullptr;
+  bool failed = false;
+  MeetingRecord(LocalMeeting& m, const Call& c, int32_t device, const std::string& devices) {
+    const uint64_t sequence = ++m.met[device];
+    if (!Recording()) return;
+    const CommIdentity* identity = m.identity.load(std::memory_order_acquire);
+    if (identity == nullptr) {
+      std::lock_guard<std::mutex> lock(m.mutex);
+      identity = m.identity.load(std::memory_order_relaxed);
+      if (identity == nullptr) {
+        const CommIdentity* comm = CounterOf(device, c.comm_key, c.comm).identity;
+        std::string name = comm->name;
+        const size_t suffix = name.rfind(":device");
+        if (suffix != std::string::npos) name.resize(suffix);
+        identity = new CommIdentity{name + ":meeting of devices " + devices, comm->members};
+        m.identity.store(identity, std::memory_order_release);  // kept for the process
+      }
+    }
+    record = BeginRecord(device, c, identity, sequence, 0, NowNs());
+  }
+  ~MeetingRecord() { FinishRecord(record, NowNs(), failed); }
 };
 
 // One device's part of a meeting, on its progress thread.
@@ -165,7 +197,8 @@ ffi::Error RunMeeting(MeetingCall& call, int32_t device, int64_t op, size_t in_b
   Meeting& g = call.g;
   const int64_t kind = g.kind, local = g.local;
   const ffi::Span<const int64_t> dims(call.dims);
-  LocalMeeting& m = MeetingFor(call.comm_slot, call.group);
+  LocalMeeting& m = *call.meeting;
+  MeetingRecord recorded(m, c, device, call.devices);
   const Turn turn{m, c, g, device, dims};
   std::unique_lock<std::mutex> lock(m.mutex);
   const uint64_t generation = m.generation.load();
@@ -255,7 +288,10 @@ ffi::Error RunMeeting(MeetingCall& call, int32_t device, int64_t op, size_t in_b
   const std::string error = m.error;
   const int others = m.expected - 1;
   lock.unlock();
-  if (!error.empty()) return ffi::Error::Internal(error);
+  if (!error.empty()) {
+    recorded.failed = true;
+    return ffi::Error::Internal(error);
+  }
   WithKind(kind, [&](auto k) { decltype(k)::Unpack(turn, out_bytes); });
   if (kind == kMeetAllgather && others > 0) {
     // The others copy from the leader's output: it stays XLA's until they have.
@@ -311,8 +347,15 @@ ffi::Future CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::
   call->g = Meeting{kind, c.size, static_cast<int>(local), c.rank, 0,
                     rows_in ? in_bytes / participants : in_bytes, call->pairs, root,
                     kind == kMeetAllreduce && split != 0};
-  call->group = group;
-  call->comm_slot = comm_slot;
+  call->meeting = &MeetingFor(comm_slot, group);
+  if (call->meeting->identity.load(std::memory_order_acquire) == nullptr) {
+    // The group's devices: those with groups[d] == group, or all of them.
+    const int64_t listed = groups.size() == 0 ? local : static_cast<int64_t>(groups.size());
+    for (int64_t d = 0; d < listed; ++d) {
+      if (groups.size() != 0 && groups[d] != group) continue;
+      call->devices += (call->devices.empty() ? "" : ",") + std::to_string(d);
+    }
+  }
   // The meeting runs on the device's progress thread (core/progress.h), in this
   // device's program order after its queued calls, and XLA holds none of its
   // own threads while the devices wait for each other: a device still

@@ -18,6 +18,7 @@
 
 #include "../core/call.h"
 #include "../core/comm_table.h"
+#include "../core/flight.h"
 #include "../core/guard.h"
 #include "kinds.def"
 #include "xla/ffi/api/ffi.h"
@@ -52,6 +53,11 @@ struct LocalMeeting {
   std::vector<int64_t> counts;  // permute: MPI_Alltoallv's row size and counts
   std::string mismatch;         // arrivals that disagree (never in one SPMD program)
   std::string error;            // this generation's failure, seen by every thread
+  // The flight records of the meeting itself (meeting.cc, MeetingRecord): its
+  // name, made by the first arrival, and each device's count of meetings,
+  // touched by that device's thread only.
+  std::atomic<const CommIdentity*> identity{nullptr};
+  uint64_t met[kMaxLocalDevices] = {};
 };
 
 // What one call of the meeting is: the participants and the row they exchange.
