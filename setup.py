@@ -28,6 +28,7 @@ import subprocess
 import sys
 import sysconfig
 
+import setuptools.dist
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -144,8 +145,26 @@ SOURCES = [f"{CSRC}/{name}" for name in (
     "entries/host_staged.cc", "meeting/meeting.cc")]
 DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/**/*.def", recursive=True))
 
+# The MPICOLL_AS_MPI4JAX switch (_mpicoll_as_mpi4jax.py): a .pth file in site-packages,
+# which Python reads at every start-up.  Installed as a data file, relative to the
+# installation prefix, so that editable installs (`make install`) get it too: they
+# leave out whatever a build puts in build_lib, but pip installs a wheel's data files.
+# The path is site-packages' in a venv, a --user or a conda prefix.
+SITE_PACKAGES = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+
+
+class Distribution(setuptools.dist.Distribution):
+    """setuptools' editable wheel (editable_wheel._run_install) asks the distribution
+    for has_data, a name only the install command has, and so leaves data files out
+    of editable installs (setuptools 84): answer it."""
+
+    def has_data(self):
+        return self.has_data_files()
+
 if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it
     setup(
         ext_modules=[Extension("mpicoll._mpicoll_ffi", SOURCES, depends=DEPENDS)],
         cmdclass={"build_ext": MPIBuildExt},
+        data_files=[(SITE_PACKAGES, ["mpicoll_as_mpi4jax.pth"])],
+        distclass=Distribution,
     )
