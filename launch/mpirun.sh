@@ -3,8 +3,11 @@
 #
 #   launch/mpirun.sh -n 4 python examples/data_parallel_mlp.py
 #   launch/mpirun.sh -n 2 python -m mpicoll info
+#   launch/mpirun.sh --as-mpi4jax -n 2 python app.py   # an mpi4jax application, unchanged
 #
-# Every argument is passed to mpiexec unchanged; this script only chooses which
+# --as-mpi4jax (first, before mpiexec's own arguments) sets MPICOLL_AS_MPI4JAX=1:
+# `import mpi4jax` gives mpicoll.mpi4jax in every rank (docs/mpi4jax.md).
+# Every other argument is passed to mpiexec unchanged; this script only chooses which
 # mpiexec and adds what that MPI needs on this machine.  Why it exists: mpi4py,
 # mpicoll's compiled extension and mpiexec must all come from ONE MPI.  An mpiexec
 # of another MPI (say the system's Open MPI for a venv built with the PyPI MPICH)
@@ -13,6 +16,7 @@
 #
 # Environment:
 #   MPICOLL_VENV            the venv to use (default: .venv in the project root)
+#   MPICOLL_AS_MPI4JAX      1: `import mpi4jax` gives mpicoll.mpi4jax (as --as-mpi4jax)
 #   MPICOLL_MPIEXEC         an mpiexec to use instead of the venv's (a cluster's own)
 #   MPICOLL_LAUNCH_TIMEOUT  seconds; the job is terminated (then killed) after that,
 #                           and the exit status is 124, so a deadlock cannot hang CI
@@ -30,6 +34,11 @@ set -euo pipefail
 project=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 die() { echo "launch/mpirun.sh: $*" >&2; exit 2; }
+
+while [ "${1:-}" = --as-mpi4jax ]; do
+    export MPICOLL_AS_MPI4JAX=1
+    shift
+done
 
 # --- The venv --------------------------------------------------------------------
 venv=${MPICOLL_VENV:-$project/.venv}
@@ -101,6 +110,8 @@ case $flavor in
         # ... and refuses more ranks than cores ("not enough slots") without this.
         [ "$oversubscribed" = 1 ] && flags+=(--oversubscribe)
         [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(--tag-output)
+        # Open MPI forwards only the variables named with -x to ranks on other hosts.
+        [ -n "${MPICOLL_AS_MPI4JAX:-}" ] && flags+=(-x MPICOLL_AS_MPI4JAX)
         ;;
     mpich)
         # MPICH busy-polls while a rank waits; with more ranks than cores the idle

@@ -118,10 +118,28 @@ def _settings_report():
         elif field.name == "abort_on_error" and value is None:
             value, where = failures.abort_on_error_installed(), \
                 "default (on with more than one rank)"
+        elif field.name == "as_mpi4jax":
+            where += _as_mpi4jax(value)
         if field.name == "dispatch" and value == "device-order":
             where += _multi_device_dispatch()
         rows.append((field.name, value, where))
     return rows
+
+
+def _as_mpi4jax(on):
+    """What `import mpi4jax` gives in this process (docs/mpi4jax.md)."""
+    import importlib.util
+
+    import _mpicoll_as_mpi4jax as switch
+
+    if switch.installed():
+        return ": import mpi4jax gives mpicoll.mpi4jax"
+    if on:
+        return (f" (but {switch.PTH} is not in this Python's site-packages, so import "
+                "mpi4jax is not redirected: make install)")
+    spec = importlib.util.find_spec("mpi4jax")
+    return (f" (import mpi4jax gives {spec.origin})" if spec
+            else " (no mpi4jax installed; MPICOLL_AS_MPI4JAX=1: mpicoll.mpi4jax)")
 
 
 def _multi_device_dispatch():

@@ -3,8 +3,12 @@
 The same function names, argument order, keywords and defaults, and the same
 results, including mpi4jax's rank-dependent ones: off root, gather and reduce
 return their input unchanged, and scatter takes a block-shaped x.  Like
-mpi4jax >= 0.8 the functions return arrays, not tokens (ordering is automatic),
-and passing `token=` raises.  `comm` is an mpi4py intracommunicator, `op` an
+mpi4jax >= 0.8 the functions return arrays, not tokens (ordering is automatic).
+A call that passes `token=` (None too) takes mpi4jax <= 0.7's form instead and
+returns `(result, token)` (send and barrier: the token), with a token that keeps
+jitted kernels on JAX's fast path (_Token).  With MPICOLL_AS_MPI4JAX=1,
+`import mpi4jax` gives this module (_mpicoll_as_mpi4jax.py, at the repository
+root).  `comm` is an mpi4py intracommunicator, `op` an
 mpi4py `MPI.Op` (names such as "sum" work too), `status` an `MPI.Status` that
 recv/sendrecv fill in.  Everything else is mpicoll's; docs/mpi4jax.md lists the
 differences.  Its collectives follow mpicoll's autodiff convention (as
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from mpi4py import MPI
 
+from ._compat import core as _compat_core
 from .runtime import native as _native, comm as comm_layer
 from .primitive import spec as _spec, varying as _typing, validate as _validate
 from .ops import collectives as api, p2p
@@ -37,7 +42,7 @@ def _mpi4jax_autodiff(function):
 
 
 class _NotSet:
-    """The default of token=: no token given (what mpi4jax >= 0.8 expects)."""
+    """The default of token=: no token given (mpi4jax >= 0.8's form)."""
 
     def __repr__(self):
         return "<no token>"
@@ -49,19 +54,77 @@ __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "
            "scan", "scatter", "send", "sendrecv", "has_cuda_support", "has_sycl_support"]
 
 
-# What each function returns, to say how a pre-0.8 call (with a token) is written now.
+# --- The token era: mpi4jax <= 0.7's form, for calls that pass token= ------------------
+
+# The functions that return nothing in mpi4jax 0.9's form (the token alone in 0.7's).
 _RETURNS_NOTHING = ("barrier", "send")
 
 
-def _no_token(name, token):
-    if token is not _NOTSET:
-        before, now = ((f"token = mpi4jax.{name}(..., token=token)", f"mpi4jax.{name}(...)")
-                       if name in _RETURNS_NOTHING else
-                       (f"result, token = mpi4jax.{name}(..., token=token)",
-                        f"result = mpi4jax.{name}(...)"))
-        raise RuntimeError(
-            f"mpicoll.mpi4jax.{name}: tokens are not passed explicitly (as in mpi4jax >= 0.8, "
-            f"ordering is automatic): write `{now}` instead of `{before}`")
+class _Token:
+    """The token of the token era: an empty pytree (as None is), one instance.
+
+    Programs of the token era pass the last token into and out of every jitted
+    kernel.  A pytree without leaves adds no argument and no result to the
+    kernel, which stays on JAX's C++ dispatch path: measured on jax 0.10.2, CPU,
+    a 5 us kernel costs 1.0-1.1x with it, 1.35x with an empty bool array (an
+    extra result), and ~30x with a JAX token (jax.lax.create_token()), which
+    that path does not take (benchmarks/token_cost.py, in `make bench`).  It
+    orders nothing: mpicoll's calls run in program order without it.
+    """
+
+    def __repr__(self):
+        return "<mpicoll.mpi4jax token>"
+
+
+_MPICOLL_TOKEN = _Token()
+jax.tree_util.register_pytree_node(_Token, lambda token: ((), None),
+                                   lambda aux, leaves: _MPICOLL_TOKEN)
+
+
+def _is_token(token):
+    """mpicoll's token, or JAX's own (traced or not)."""
+    if isinstance(token, _Token):
+        return True
+    try:
+        return jax.typeof(token) == _compat_core.abstract_token
+    except TypeError:
+        return False
+
+
+def _describe(value):
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return type(value).__name__ + (f" of shape {tuple(shape)} and dtype {dtype}"
+                                   if shape is not None and dtype is not None else "")
+
+
+def _token_era(function):
+    """Give `function` mpi4jax <= 0.7's form for the calls that pass token= (None too).
+
+    Such a call returns (result, token), or the token alone for send and barrier;
+    the token returned is the one given (so that a loop's carry keeps its type),
+    or _MPICOLL_TOKEN for None.  The token orders nothing: every call runs in
+    program order on every rank, as without one.  A call without token= is
+    mpi4jax 0.9's and returns the result alone.  The token keyword is taken
+    here: `function`'s own token parameter is there for its signature
+    (mpi4jax's) and is never passed.
+    """
+    name = function.__name__
+    token_only = name in _RETURNS_NOTHING
+
+    @functools.wraps(function)
+    def call(*args, token=_NOTSET, **kwargs):
+        if token is _NOTSET:
+            return function(*args, **kwargs)
+        if token is None:
+            token = _MPICOLL_TOKEN
+        elif not _is_token(token):
+            # Checked on the token's type alone: the same on every rank, before any MPI call.
+            raise TypeError(
+                f"mpicoll.mpi4jax.{name}: token= must be None, a token an earlier call "
+                f"returned, or a JAX token (jax.lax.create_token()); got {_describe(token)}")
+        result = function(*args, **kwargs)
+        return token if token_only else (result, token)
+    return call
 
 
 def _rank(comm, name):
@@ -73,21 +136,25 @@ _COMM = """an mpi4py intracommunicator; None (the default) means
             MPI.COMM_WORLD (mpi4jax 0.9 takes a Clone() of it; mpicoll talks on
             private duplicates, the same isolation from your own mpi4py calls)."""
 
-_TOKEN = """not accepted: as in mpi4jax >= 0.8, the calls are ordered
-            automatically (program order, on every rank)."""
+_TOKEN = """not needed: as in mpi4jax >= 0.8, the calls run in program
+            order on every rank.  Passed (None too), the call takes mpi4jax
+            <= 0.7's form and returns (result, token) -- send and barrier the
+            token alone --, the token given or, for None, mpicoll's token: an
+            empty pytree, which a jitted kernel passes on at no cost.  A JAX
+            token (jax.lax.create_token()) is accepted too."""
 
 _OP = """an mpi4py MPI.Op (MPI.SUM, MPI.MAX, ...) or its name ("sum");
             the ops and dtypes of mpicoll.allreduce."""
 
-_RAISES = """RuntimeError: for token= (pre-0.8 code), saying how to write the
-            call without it.
+_RAISES = """TypeError: for a token= that is not None, a token of this module or
+            a JAX token: on every rank alike, before any MPI call.
         TypeError, ValueError: as mpicoll.{name} raises them: the same on
             every rank and before any MPI call, for an unsupported dtype, an
             op invalid for it, a root out of range, or a comm that is not an
             intracommunicator."""
 
-_RAISES_PEER = """RuntimeError: for token= (pre-0.8 code), saying how to write the
-            call without it.
+_RAISES_PEER = """TypeError: for a token= that is not None, a token of this module or
+            a JAX token: on every rank alike, before any MPI call.
         TypeError, ValueError: as mpicoll.{name} raises them, on this rank
             alone (a message has two ranks) and before any MPI call, for an
             unsupported dtype, a rank or tag out of range, or a comm that is
@@ -128,6 +195,7 @@ def has_sycl_support():
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def allreduce(x, op, *, comm=None, token=_NOTSET):
     """op over every rank's x, on every rank (MPI_Allreduce).
@@ -148,11 +216,11 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
 
         mpi4jax.allreduce(jnp.array([rank + 1.0]), op=MPI.SUM)  # [3.] on both
     """
-    _no_token("allreduce", token)
     return api.allreduce(x, op, comm=comm)
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def allgather(x, *, comm=None, token=_NOTSET):
     """Every rank's x, stacked by rank, on every rank (MPI_Allgather).
@@ -170,7 +238,6 @@ def allgather(x, *, comm=None, token=_NOTSET):
 
         mpi4jax.allgather(jnp.array(rank))   # [0, 1] on both
     """
-    _no_token("allgather", token)
     return api.allgather(x, comm=comm)
 
 
@@ -187,6 +254,7 @@ def _leading_axis_is_size(x, comm, name, what):
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def alltoall(x, *, comm=None, token=_NOTSET):
     """Every rank sends x[j] to rank j (MPI_Alltoall).
@@ -206,12 +274,12 @@ def alltoall(x, *, comm=None, token=_NOTSET):
 
         mpi4jax.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
     """
-    _no_token("alltoall", token)
     x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
     return api.alltoall(x, comm=comm)
 
 
 @_contract
+@_token_era
 def barrier(*, comm=None, token=_NOTSET):
     """Block until every rank of comm has reached this point (MPI_Barrier), in program order.
 
@@ -219,7 +287,7 @@ def barrier(*, comm=None, token=_NOTSET):
         comm: {comm}
         token: {token}
     Returns:
-        None (mpi4jax < 0.8 returned a token).
+        None; with token=, the token (mpi4jax <= 0.7's form).
     Raises:
         {raises}
 
@@ -227,11 +295,11 @@ def barrier(*, comm=None, token=_NOTSET):
 
         mpi4jax.barrier()
     """
-    _no_token("barrier", token)
     api.barrier(comm=comm)
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def bcast(x, root, *, comm=None, token=_NOTSET):
     """Root's x on every rank (MPI_Bcast).
@@ -250,11 +318,11 @@ def bcast(x, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.bcast(jnp.full(3, rank), root=1)   # [1, 1, 1] on both
     """
-    _no_token("bcast", token)
     return api.bcast(x, root, comm=comm)
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def gather(x, root, *, comm=None, token=_NOTSET):
     """Every rank's x, stacked by rank, on root (MPI_Gather).
@@ -275,12 +343,12 @@ def gather(x, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.gather(jnp.array([rank]), root=0)  # rank 0: [[0], [1]]; rank 1: [1]
     """
-    _no_token("gather", token)
     gathered = api.gather(x, root, comm=comm)
     return gathered if _rank(comm, "gather") == root else x
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def reduce(x, op, root, *, comm=None, token=_NOTSET):
     """op over every rank's x, on root (MPI_Reduce).
@@ -301,12 +369,12 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.reduce(jnp.array([rank + 1.0]), op=MPI.SUM, root=0)  # rank 0: [3.]; rank 1: [2.]
     """
-    _no_token("reduce", token)
     reduced = api.reduce(x, op, root, comm=comm)
     return reduced if _rank(comm, "reduce") == root else x
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def scatter(x, root, *, comm=None, token=_NOTSET):
     """Rank r gets root's x[r] (MPI_Scatter).
@@ -330,7 +398,6 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
         x = jnp.array([[10, 11], [20, 21]]) if rank == 0 else jnp.zeros(2, int)
         mpi4jax.scatter(x, root=0)           # rank 0: [10, 11]; rank 1: [20, 21]
     """
-    _no_token("scatter", token)
     info = comm_layer.resolve(comm, "scatter")
     if info.rank == root:
         x = _leading_axis_is_size(x, comm, "scatter", "Scatter")
@@ -342,6 +409,7 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def scan(x, op, *, comm=None, token=_NOTSET):
     """Inclusive prefix reduction in rank order (MPI_Scan).
@@ -360,11 +428,11 @@ def scan(x, op, *, comm=None, token=_NOTSET):
 
         mpi4jax.scan(jnp.array(rank + 1), op=MPI.SUM)   # rank 0: 1; rank 1: 3
     """
-    _no_token("scan", token)
     return api.scan(x, op, comm=comm)
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
     """Send x to rank dest (MPI_Send), in program order.
@@ -376,7 +444,7 @@ def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
         comm: {comm}
         token: {token}
     Returns:
-        None (mpi4jax < 0.8 returned a token).
+        None; with token=, the token (mpi4jax <= 0.7's form).
     Raises:
         {raises_peer}
 
@@ -387,7 +455,6 @@ def send(x, dest, *, tag=0, comm=None, token=_NOTSET):
         else:
             x = mpi4jax.recv(jnp.zeros(3), source=0)   # [0., 1., 2.]
     """
-    _no_token("send", token)
     p2p.send(x, dest, tag, comm=comm)
 
 
@@ -407,6 +474,7 @@ def _fill_status(status, dtype, count, source, tag):
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=_NOTSET):
     """Receive a message shaped like x from rank source (MPI_Recv).
@@ -433,7 +501,6 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
         if rank == 1:
             x = mpi4jax.recv(jnp.zeros(3), source=0, status=status)   # status.Get_source() == 0
     """
-    _no_token("recv", token)
     x = _validate.as_array(x, "recv")
     if status is None:
         return p2p.recv(x, source, tag, comm=comm)
@@ -443,6 +510,7 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
 
 
 @_contract
+@_token_era
 @_mpi4jax_autodiff
 def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, comm=None,
              status=None, token=_NOTSET):
@@ -472,7 +540,6 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
 
         left = mpi4jax.sendrecv(x, x, source=(rank - 1) % size, dest=(rank + 1) % size)
     """
-    _no_token("sendrecv", token)
     recvbuf = _validate.as_array(recvbuf, "sendrecv")
     result = p2p.sendrecv(sendbuf, source, dest, sendtag, recvtag, comm=comm, recv_like=recvbuf,
                           return_status=status is not None)

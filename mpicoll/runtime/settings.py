@@ -21,6 +21,8 @@ measurements and tests.  `sources()` says where each value came from.
   MPICOLL_LOCAL_COMBINE_BYTES  1048576: ranks x devices allreduce, combine in the handler
   MPICOLL_SPLIT_ALLREDUCE_BYTES 262144: ranks x devices allreduce, split the MPI work
   MPICOLL_GATHER_PIECES        0 (automatic) | N: the local meeting's allgather in N pieces
+  MPICOLL_AS_MPI4JAX           0 | 1: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
+                               by _mpicoll_as_mpi4jax.py, beside the package; here for info)
 (the two thresholds are per device at 2 local devices; they scale as 1 / (L - 1)).
 """
 
@@ -69,6 +71,9 @@ class Settings:
     # in (csrc/meeting/meeting.cc): 0 lets the extension choose (pieces where this
     # process has two cores per local device), 1 gathers whole.
     gather_pieces: int = 0
+    # Acted on before mpicoll is imported, by the .pth file the install puts in
+    # site-packages (_mpicoll_as_mpi4jax.py); read here so that info shows it.
+    as_mpi4jax: bool = False
 
 
 def _flag(name, raw):
@@ -156,6 +161,7 @@ _VARIABLES = {
     "local_combine_bytes": ("MPICOLL_LOCAL_COMBINE_BYTES", _bytes),
     "split_allreduce_bytes": ("MPICOLL_SPLIT_ALLREDUCE_BYTES", _bytes),
     "gather_pieces": ("MPICOLL_GATHER_PIECES", _count),
+    "as_mpi4jax": ("MPICOLL_AS_MPI4JAX", _flag),
 }
 
 
