@@ -152,14 +152,79 @@ def test_gradients_agree_with_mpi4jax():
         np.testing.assert_allclose(np.asarray(grad), expect, rtol=1e-12)
 
 
-def test_tokens_raise_like_mpi4jax_naming_the_function_called():
-    with pytest.raises(RuntimeError, match="tokens are not passed explicitly") as error:
-        adapter.allreduce(jnp.ones(2), MPI.SUM, token=object())
-    assert ("write `result = mpi4jax.allreduce(...)` instead of "
-            "`result, token = mpi4jax.allreduce(..., token=token)`") in str(error.value)
-    with pytest.raises(RuntimeError, match=r"write `mpi4jax.barrier\(...\)` instead of "
-                                           r"`token = mpi4jax.barrier\(..., token=token\)`"):
-        adapter.barrier(token=object())
+def token_era_program(m, x, token):
+    """Every function in mpi4jax <= 0.7's form: token= passed, (result, token) unpacked."""
+    stacked = jnp.stack([x + j for j in range(SIZE)])
+    out = {}
+    out["allreduce"], token = m.allreduce(x, op=MPI.SUM, token=token)
+    out["allgather"], token = m.allgather(x, token=token)
+    out["alltoall"], token = m.alltoall(stacked, token=token)
+    out["bcast"], token = m.bcast(x, SIZE - 1, token=token)
+    out["gather"], token = m.gather(x, 0, token=token)
+    out["reduce"], token = m.reduce(x, MPI.SUM, 0, token=token)
+    out["scatter"], token = m.scatter(stacked if RANK == SIZE - 1 else x, SIZE - 1, token=token)
+    out["scan"], token = m.scan(x, MPI.SUM, token=token)
+    out["ring"], token = m.sendrecv(x, x, LEFT, RIGHT, token=token)
+    token = m.barrier(token=token)
+    if SIZE > 1:
+        if RANK % 2 == 0 and RANK + 1 < SIZE:
+            token = m.send(x, RANK + 1, tag=5, token=token)
+        elif RANK % 2 == 1:
+            out["recv"], token = m.recv(x, RANK - 1, tag=5, token=token)
+    return out, token
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("start", ["none", "jax-token"])
+def test_token_era_returns_result_and_token(mode, start):
+    """token=None starts with mpicoll's token, passed on unchanged; a JAX token the
+    program made is passed on as it came (so a loop's carry keeps its type)."""
+    x = jnp.asarray(rank_x(RANK))
+    token = None if start == "none" else jax.lax.create_token()
+    run = jax.jit(token_era_program, static_argnums=0) if mode == "jit" else token_era_program
+    out, last = jax.block_until_ready(run(adapter, x, token))
+    expect = {k: v for k, v in expected_collectives().items() if k != "allreduce-max"}
+    if RANK % 2 == 1:
+        expect["recv"] = rank_x(RANK - 1)
+    assert sorted(out) == sorted(expect)
+    assert_results([out], expect)
+    if start == "none":
+        assert last is adapter._MPICOLL_TOKEN
+    else:
+        assert jax.typeof(last) == jax.typeof(jax.lax.create_token())
+
+
+def test_token_era_send_and_barrier_return_the_token_alone():
+    given = jax.lax.create_token()
+    assert adapter.barrier(token=given) is given
+    assert adapter.send(jnp.ones(2), MPI.PROC_NULL, token=given) is given
+    assert adapter.barrier(token=None) is adapter._MPICOLL_TOKEN
+    assert adapter.barrier() is None  # mpi4jax 0.9's form
+
+
+def test_mpicoll_token_adds_nothing_to_a_jitted_kernel():
+    """An empty pytree: no parameter and no result in the compiled kernel, so a kernel
+    that passes it on keeps JAX's C++ dispatch (benchmarks/token_cost.py times it)."""
+    _, token = adapter.allreduce(jnp.ones(2), MPI.SUM, token=None)
+    assert jax.tree_util.tree_leaves(token) == []
+    with_token = jax.jit(lambda x, t: (x + 1, t)).lower(jnp.ones(2), token).compile()
+    without = jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()
+    leaves = jax.tree_util.tree_leaves
+    assert leaves(with_token.in_avals) == leaves(without.in_avals)  # x alone
+    assert len(leaves(with_token.out_info)) == len(leaves(without.out_info)) == 1
+
+
+@pytest.mark.parametrize("bad", [3, "token", jnp.zeros(2), jnp.zeros((0,), bool)],
+                         ids=["int", "str", "float-array", "empty-array"])
+def test_a_wrong_token_raises_on_every_rank_before_any_mpi_call(bad):
+    with pytest.raises(TypeError, match=r"mpicoll.mpi4jax.allreduce: token= must be None, a "
+                                        r"token an earlier call returned, or a JAX token"):
+        adapter.allreduce(jnp.ones(2), MPI.SUM, token=bad)
+    with pytest.raises(TypeError, match=r"mpicoll.mpi4jax.send: token= must be None"):
+        jax.jit(lambda x: adapter.send(x, RIGHT, token=bad))(jnp.ones(2))
+    # No rank sent or entered a collective: the next one is the first.
+    total = adapter.allreduce(jnp.ones(2), MPI.SUM)
+    np.testing.assert_array_equal(np.asarray(total), np.full(2, SIZE))
     assert isinstance(adapter.has_cuda_support(), bool)
     assert adapter.has_sycl_support() is False
 
