@@ -18,6 +18,8 @@
 #                                benchmarks/results/); then dispatch.py, check_mode.py, observability.py,
 #                                divergence.py (how fast a job whose ranks diverge ends),
 #                                thread_level.py (a 4 B allreduce at each MPI thread level)
+#                                token_cost.py (a jitted kernel passing mpi4jax <= 0.7's
+#                                token through, against the same kernel without)
 #                                overlap.py (mpicoll.overlap() step times) and
 #                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
@@ -358,6 +360,8 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    --mpiexec $(MPIEXEC)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/thread_level.py \
 	    --floor-lib $(FLOOR_LIB) --mpiexec '$(MPIEXEC) $(MPIEXEC_FLAGS) -n 2'
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/token_cost.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/overlap.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \

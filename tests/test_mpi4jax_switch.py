@@ -8,6 +8,7 @@ mpi4jax <= 0.7 (tests/programs/mpi4jax_tokens.py) runs through a plain
 (the variable in the environment), against numpy.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,19 @@ def test_mpirun_sh_as_mpi4jax_sets_the_variable_and_forwards_it_for_open_mpi(tmp
     assert "args: -n 1 python app.py" in mpich and "switch: 1" in mpich, mpich
     plain = launch("HYDRA build details:", "-n", "1", "python", "app.py")
     assert "switch: unset" in plain, plain
+
+
+@serial_only
+def test_token_cost_benchmark_runs_and_reports_the_ratios(tmp_path):
+    """benchmarks/token_cost.py (make bench) at 2 ranks, briefly: every row, a ratio for
+    each, the verdict on the 1.2x limit (the timings themselves are make bench's)."""
+    output = tmp_path / "token_cost.json"
+    run = run_mpiexec(2, [sys.executable, REPO / "benchmarks" / "token_cost.py", "--runs", "1",
+                          "--calls", "50", "--output", output], timeout=240)
+    assert run.returncode == 0, run.summary()
+    report = json.loads(output.read_text())
+    assert set(report["rows"]) == {
+        "kernel", "kernel + mpicoll's token", "kernel + empty bool array", "kernel + JAX token",
+        "sendrecv kernel", "sendrecv kernel + mpicoll's token", "sendrecv kernel + JAX token"}
+    assert all(row["us_per_call"] > 0 for row in report["rows"].values())
+    assert "mpicoll's token: at most" in run.stdout and "limit 1.2x" in run.stdout, run.summary()
