@@ -66,10 +66,11 @@ class _Token:
     Programs of the token era pass the last token into and out of every jitted
     kernel.  A pytree without leaves adds no argument and no result to the
     kernel, which stays on JAX's C++ dispatch path: measured on jax 0.10.2, CPU,
-    a 5 us kernel costs 1.0-1.1x with it, 1.35x with an empty bool array (an
-    extra result), and ~30x with a JAX token (jax.lax.create_token()), which
-    that path does not take (benchmarks/token_cost.py, in `make bench`).  It
-    orders nothing: mpicoll's calls run in program order without it.
+    2 ranks on 2 cores, a 5 us kernel costs 1.08-1.14x with it, 1.28-1.43x with
+    an empty bool array (an extra result) and ~19x (96 us) with a JAX token
+    (jax.lax.create_token()), which that path does not take
+    (benchmarks/token_cost.py, in `make bench`).  It orders nothing: mpicoll's
+    calls run in program order without it.
     """
 
     def __repr__(self):
