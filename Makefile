@@ -22,6 +22,7 @@
 #                                token through, against the same kernel without)
 #                                overlap.py (mpicoll.overlap() step times) and
 #                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
+#                                sharded_arrays.py (an allreduce of a P("d") array vs shard_map),
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #                                global_mesh_collectives.py (every lax collective over
 #                                processes x devices, at 1, 2 and 4 devices per process,
@@ -368,6 +369,8 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/overlap.py --xla-threads 1 --skip-small
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/global_allreduce.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
+	    $(VPY) benchmarks/sharded_arrays.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \

@@ -21,7 +21,9 @@ from .transforms import (  # noqa: F401
     Zero, is_undefined_primal, register_batching, register_jvp, register_transpose,
     transpose_rule, zero_tangent)
 from .mesh import (  # noqa: F401
-    all_gather_invariant, axis_in_manual_mesh, current_mesh_shape, lowering_mesh,
+    all_gather_invariant, axis_in_manual_mesh, context_abstract_mesh, context_mesh_set,
+    current_mesh_shape,
+    is_batched, lower_function, lowering_mesh, no_context_mesh, partitioned_devices,
     manual_mesh_axes, check_vma_enabled, devices_running_this_trace,
     pvary, refuse_lax_collectives_over, route_lax_collectives, size_axis,
     varying_axes, with_varying_axes)

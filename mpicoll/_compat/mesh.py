@@ -37,6 +37,8 @@ def current_mesh_shape():
 def lowering_mesh(ctx):
     """The concrete mesh a lowering runs under (shard_map under jit), or None."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None or isinstance(mesh, _mesh.AbstractMesh):  # its devices come later
+        return None
     return mesh if getattr(mesh, "devices", None) is not None else None
 
 
@@ -155,3 +157,49 @@ def devices_running_this_trace():
     for name in getattr(mesh, "manual_axes", ()):
         count *= mesh.shape[name]
     return count
+
+
+def context_mesh_set():
+    """Whether a concrete mesh is in context (jax.set_mesh, `with mesh:`)."""
+    return not _mesh.get_concrete_mesh().empty or not _mesh.get_abstract_mesh().empty
+
+
+class no_context_mesh:
+    """A block that compiles and runs without the context mesh: mpicoll's eager
+    programs name their own devices (one, or a sharded array's mesh), and under
+    jax.set_mesh JAX would otherwise compile them for the context mesh's devices."""
+
+    def __enter__(self):
+        self._set = jax.set_mesh(None) if context_mesh_set() else None
+        return self
+
+    def __exit__(self, *exc):
+        if self._set is not None:
+            self._set.__exit__(*exc)
+
+
+def context_abstract_mesh():
+    """The abstract mesh in context while tracing (jax.set_mesh's), or None."""
+    mesh = _mesh.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def partitioned_devices(ctx):
+    """How many devices a lowering's program is partitioned over by XLA (outside
+    any manual region), or 0 where XLA will not partition it."""
+    from jax._src import sharding_impls as _impls
+    context = ctx.module_context.axis_context
+    if isinstance(context, _impls.ShardingContext) and context.num_devices > 1:
+        return context.num_devices
+    return 0
+
+
+def lower_function(ctx, function, *args, multiple_results):
+    """Lower function(*args) in place of a primitive (its ordering tokens threaded)."""
+    return _mlir.lower_fun(function, multiple_results=multiple_results)(ctx, *args)
+
+
+def is_batched(x):
+    """Whether x is being vmapped (a BatchTracer)."""
+    from jax._src.interpreters import batching as _batching
+    return isinstance(x, _batching.BatchTracer)

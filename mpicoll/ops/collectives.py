@@ -381,7 +381,11 @@ def barrier(*, comm=None):
             return mpicoll.allreduce(x)
     """
     info = comm_layer.resolve(comm, "barrier")
-    _barrier_p.bind(comm=info.slot)
+    if _compat.at_top_level():
+        with _compat.no_context_mesh():  # its eager program names its own device
+            _barrier_p.bind(comm=info.slot)
+    else:
+        _barrier_p.bind(comm=info.slot)
 
 
 @_compat.api_boundary
@@ -432,6 +436,12 @@ def pvary(x, *, comm=None):
 
 # Barrier: no data, only the ordering token.
 def _barrier_lowering(ctx, *, comm):
+    devices = _compat.partitioned_devices(ctx)
+    if devices:  # in a program XLA partitions: each device's barrier, in a manual region
+        mesh = jax.sharding.AbstractMesh((devices,), ("_mpicoll_devices",))
+        region = jax.shard_map(lambda: _barrier_p.bind(comm=comm), mesh=mesh, in_specs=(),
+                               out_specs=[], check_vma=False)
+        return _compat.lower_function(ctx, region, multiple_results=True)
     return ordered_ffi_call(ctx, "mpicoll_barrier", comm=comm)
 
 

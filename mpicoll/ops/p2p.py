@@ -26,8 +26,8 @@ from mpi4py import MPI
 
 from .. import _compat
 from ..runtime import dtypes as _types
-from ..primitive import validate as _validate
-from ..primitive.dispatch import bind
+from ..primitive import overlap as _overlap, sharded as _sharded, validate as _validate
+from ..primitive.dispatch import bind, on_each_device, per_device_overlap
 from ..primitive.define import define, effectful_primitive, mpi_effect, ordered_ffi_call
 from ..primitive.spec import Collective
 
@@ -221,7 +221,19 @@ def send(x, dest, tag=0, *, comm=None):
         else:
             x = mpicoll.recv(jnp.zeros(3), source=0)   # [0., 1., 2.]
     """
+    layout = _sharded.layout_of(x, "send")
+    if layout is not None:  # each device sends its shard, to the same device of dest
+        on_each_device(lambda shard: _per_device(send, shard, dest, tag, comm=comm) or (),
+                       (x,), layout, ())
+        return None
     bind(SEND, x, comm=comm, static=(("dest", _plain(dest)), ("tag", _plain(tag))))
+
+
+def _per_device(function, *args, **kwargs):
+    """function(*args) on one device's shard, on its progress thread where on CPU
+    (primitive/sharded.py says why)."""
+    with _overlap.overlap(per_device_overlap()):
+        return function(*args, **kwargs)
 
 
 @_compat.api_boundary
@@ -252,6 +264,14 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
                                       return_status=True)
     """
     shape, dtype = _template(template, "recv")
+    layout = _sharded.layout_of(template, "recv")
+    if layout is not None:  # each device receives its shard, from the same device of source
+        part = jax.ShapeDtypeStruct(_sharded.shard_shape(layout, shape), dtype)
+        spec = layout.spec
+        outs = on_each_device(
+            lambda: _per_device(recv, part, source, tag, comm=comm, return_status=True),
+            (), layout, (spec, jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()))
+        return outs if return_status else outs[0]
     out = bind(RECV, jnp.zeros((0,), dtype), comm=comm,
                             static=(("source", _plain(source)), ("tag", _plain(tag)),
                                     ("shape", shape)))
@@ -294,6 +314,15 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
         if dtype != x.dtype:
             raise TypeError(f"mpicoll.sendrecv: recv_like has dtype {dtype}, but x has "
                             f"{x.dtype}; both sides of a sendrecv move one dtype")
+    layout = _sharded.layout_of(x, "sendrecv")
+    if layout is not None:  # each device exchanges its shard with the same device of its peers
+        part = jax.ShapeDtypeStruct(_sharded.shard_shape(layout, shape), x.dtype)
+        outs = on_each_device(
+            lambda shard: _per_device(sendrecv, shard, source, dest, sendtag, recvtag,
+                                      comm=comm, recv_like=part, return_status=True),
+            (x,), layout, (layout.spec, jax.sharding.PartitionSpec(),
+                           jax.sharding.PartitionSpec()))
+        return outs if return_status else outs[0]
     out = bind(SENDRECV, x, comm=comm, static=(
         ("source", _plain(source)), ("dest", _plain(dest)), ("sendtag", _plain(sendtag)),
         ("recvtag", _plain(recvtag)), ("shape", shape)))

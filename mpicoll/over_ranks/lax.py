@@ -39,6 +39,7 @@ one process silently.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -370,11 +371,6 @@ def _in_groups(name, who, groups):
     if name not in _GROUPED:
         raise NotImplementedError(f"jax.lax.{name} over {who.axes!r} with axis_index_groups: "
                                   "mpicoll runs psum, pmean, pmax, pmin and all_gather in groups")
-    if who.layout != PER_DEVICE:
-        raise NotImplementedError(
-            f"jax.lax.{name} over {who.axes!r} with axis_index_groups: mpicoll runs groups of "
-            "participants with one device per process (collect over the process axis or "
-            "mpicoll.RANKS alone)")
     groups = tuple(tuple(int(i) for i in group) for group in groups)
     members = sorted(i for group in groups for i in group)
     if members != list(range(who.count)) or len({len(g) for g in groups}) != 1:
@@ -382,6 +378,8 @@ def _in_groups(name, who, groups):
             f"jax.lax.{name}: axis_index_groups={[list(g) for g in groups]!r} must split the "
             f"{who.count} participants of {who.axes!r} into groups of one size, each index "
             "once")
+    if who.layout != PER_DEVICE:
+        return _in_groups_over_devices(name, who, groups)
     me = who.comm.rank  # one device per process: the communicator ranks are the indices
     number = next(g for g, group in enumerate(groups) if me in group)
     source, color = who.split_from
@@ -391,6 +389,34 @@ def _in_groups(name, who, groups):
     grouped.axes = who.axes
     return grouped
 
+
+
+def _in_groups_over_devices(name, who, groups):
+    """The participants of this device's group where the participants span several
+    devices of each process: the groups as a finer grouping of the mesh's devices
+    (_mesh_groups.grouping), whose devices meet per group in mpicoll's handler, or
+    go one device per process where each group takes one device of each."""
+    if who.layout == RANKS_X_AXIS:  # mpicoll.mesh(): RANKS x a local axis, rank-major
+        names, sizes = (RANKS, who.local_axis), (who.comm.size, who.local)
+    else:
+        (names, sizes, _), _ = who.split_from
+    processes = MPI.COMM_WORLD.Get_size()  # world(): COMM_WORLD, process-major as the mesh
+    layout, placed = _mesh_groups.grouping(tuple(names), tuple(sizes), tuple(who.axes),
+                                           processes, math.prod(sizes) // processes, groups)
+    if layout is None:
+        raise NotImplementedError(
+            f"jax.lax.{name} over {who.axes!r} with axis_index_groups="
+            f"{[list(g) for g in groups]!r}: mpicoll cannot run these groups across "
+            f"processes ({placed}); use groups that take the same local devices of each "
+            "process they span (or one device of each)")
+    color, key, *whole = placed[MPI.COMM_WORLD.Get_rank()]
+    comm = _mesh_groups.grouped_communicator((names, sizes, tuple(who.axes), groups), color,
+                                             key)
+    order, per_group, device_groups = whole or (None, 1, ())
+    grouped = _Participants(comm, layout, comm.size * per_group, local=per_group, order=order,
+                            groups=device_groups)
+    grouped.axes = who.axes
+    return grouped
 
 
 # lax.parallel's primitive -> its answer over participants that span ranks,

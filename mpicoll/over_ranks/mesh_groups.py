@@ -51,18 +51,36 @@ def global_mesh():
     return names, sizes
 
 
-@functools.lru_cache(maxsize=None)
-def grouping(names, sizes, axes, processes, local):
-    """How a collective over `axes` of a process-major mesh groups the devices:
-    (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
-    with WHOLE also (order, devices per group, each local device's group or ()),
-    or (None, why) when no layout fits."""
+def _along(names, sizes, axes, processes, local):
+    """Each device's group (its coordinates off `axes`) and position along `axes`."""
     devices = np.arange(processes * local)
     coords = np.stack(np.unravel_index(devices, sizes), axis=1)
     rest = [j for j, name in enumerate(names) if name not in axes]
     along = [names.index(axis) for axis in axes]
     group_of = [tuple(row) for row in coords[:, rest]]
     position = np.ravel_multi_index(tuple(coords[:, along].T), [sizes[j] for j in along])
+    return group_of, position
+
+
+@functools.lru_cache(maxsize=None)
+def grouping(names, sizes, axes, processes, local, index_groups=None):
+    """How a collective over `axes` of a process-major mesh groups the devices:
+    (layout, per process: (color, key)) for a communicator split from COMM_WORLD,
+    with WHOLE also (order, devices per group, each local device's group or ()),
+    or (None, why) when no layout fits.  index_groups: axis_index_groups, which
+    split the participants along `axes` further (a participant's place: its
+    place in its group's list, as XLA's replica groups order all_gather's rows)."""
+    group_of, position = _along(names, sizes, axes, processes, local)
+    if index_groups is not None:
+        group_number = {p: g for g, group in enumerate(index_groups) for p in group}
+        group_of = [group + (group_number[int(p)],) for group, p in zip(group_of, position)]
+        position = np.asarray([index_groups[group_number[int(p)]].index(int(p))
+                               for p in position])
+    return _grouping(group_of, position, processes, local)
+
+
+def _grouping(group_of, position, processes, local):
+    devices = np.arange(processes * local)
     process, device = devices // local, devices % local
     members = {}
     for i, group in enumerate(group_of):
@@ -131,3 +149,11 @@ def group_communicator(source, groups, color, key):
     del source, groups  # the cache key
     return comm_layer.resolve(MPI.COMM_WORLD.Split(color, key), "jax.lax")
 
+
+@functools.lru_cache(maxsize=None)
+def grouped_communicator(key_of, color, key):
+    """The communicator of this process's groups of axis_index_groups over several
+    devices per process: COMM_WORLD split by color, ranked by key.  Made once per
+    mesh, axes and groups (key_of), collectively."""
+    del key_of  # the cache key
+    return comm_layer.resolve(MPI.COMM_WORLD.Split(color, key), "jax.lax")

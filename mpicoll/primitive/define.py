@@ -58,6 +58,16 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
     mesh = _compat.lowering_mesh(ctx)
     if mesh is not None:
         _check_process_major(mesh)
+    devices = _compat.partitioned_devices(ctx)
+    if devices > 1:
+        # XLA would partition the side-effecting call over the program's devices and
+        # stop on an internal error; sharded.py lays out every value it can see.
+        raise NotImplementedError(
+            f"{target}: a value without a layout of its own in a program that spans "
+            f"{devices} devices (jit of arrays placed over several devices, with automatic "
+            "axes): XLA chooses its layout when it compiles, which mpicoll cannot see when "
+            "it traces the call. Place it (jax.device_put(x, NamedSharding(mesh, spec))), "
+            "trace under jax.set_mesh(mesh), or call mpicoll inside jax.shard_map")
     token = _compat.token_in(ctx, mpi_effect) if ordered else _compat.create_token()
     call = jax.ffi.ffi_lowering(target, has_side_effect=True,
                                 operand_output_aliases=aliases)
@@ -189,6 +199,33 @@ def _overlapped_target(ctx, target, overlapped):
     return f"{target}_overlapped"
 
 
+def _on_each_device(ctx, devices, primitive, spec, xs, params):
+    """The lowering of a call on values XLA lays out when it compiles: a jit over
+    arrays placed on several devices, with automatic axes, where mpicoll saw no
+    layout when it traced the call (primitive/sharded.py lays out every value it
+    can see).  XLA cannot partition a side-effecting call, so the call runs in a
+    manual region over the program's devices, each array replicated into it (XLA
+    gathers a sharded one first) and split over the devices as sharded.py splits
+    a replicated array: each byte crosses the network once per process."""
+    from . import sharded  # noqa: PLC0415 (sharded.py is above this module)
+    mesh = jax.sharding.AbstractMesh((devices,), ("_mpicoll_devices",))
+    if tuple(ctx.module_context.platforms) == ("cpu",):  # on the progress threads (sharded.py)
+        params = dict(params, overlapped=True)
+
+    def each(*values):
+        outs = []
+        for value in values:
+            # A value typed with a layout (vmap of a sharded array) keeps it.
+            typed = sharded.layout_of(value, spec.name)
+            layout = typed or sharded.Layout(mesh, (), value.ndim)
+            region = sharded.region(spec.name, layout, spec.family,
+                                    lambda shard: primitive.bind(shard, **params))
+            outs.append(region(value))
+        return outs
+
+    return _compat.lower_function(ctx, each, *xs, multiple_results=True)
+
+
 def _tangent(spec, x, y, t, params):
     """The tangent of a non-linear reduction (op != sum)."""
     if spec.reduction_jvp is None:
@@ -209,6 +246,11 @@ def _single_array_primitive(spec):
 
     def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), overlapped=False,
                  **params):
+        devices = _compat.partitioned_devices(ctx)
+        if devices:  # a value XLA lays out when it compiles: see _on_each_device
+            return _on_each_device(ctx, devices, primitive, spec, (x,), dict(
+                comm=comm, root=root, op=op, ordered=ordered, alias=alias, ffi_args=ffi_args,
+                **params))
         # In-place ops alias their output to x (operand 0 after the token): when
         # x is donated or dead, as loop carries often are, XLA hands MPI one
         # buffer and no output is allocated; otherwise XLA copies x first.
@@ -272,6 +314,11 @@ def _fused_primitive(spec, single):
 
     def lowering(ctx, *xs, comm, size, root, op, ordered, alias, overlapped=False,
                  **rules):  # rules: AD-only
+        devices = _compat.partitioned_devices(ctx)
+        if devices:  # one array at a time, each as the single-array call does
+            return _on_each_device(ctx, devices, single, spec, xs, dict(
+                comm=comm, size=size, root=root, op=op, ordered=ordered, alias=alias,
+                **rules))
         # As for one array: outputs alias inputs where the shapes agree, which
         # in a loop saves XLA one copy per carried array and iteration.
         aliases = ({i + 1: i + 1 for i in range(len(xs))} if spec.in_place and alias

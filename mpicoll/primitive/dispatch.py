@@ -11,15 +11,16 @@ message.
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from .. import _compat
-from . import define as _primitive, varying as _typing, validate as _validate, overlap
+from . import define as _primitive, varying as _typing, validate as _validate, overlap, sharded
 from ..runtime import dtypes as _types, comm as comm_layer
 from .device_order import after_pending_programs
 
 
 def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
-         static=(), overlapped=None):
+         static=(), overlapped=None, layout=None):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
 
     comm: an mpi4py communicator, None (the default) or an already resolved
@@ -31,6 +32,13 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     two of its ranks take part in a message.
     """
     agree = _validate.agreed if spec.family != "peer" else _validate.alone
+    # An array over several local devices: each moves its shard (point-to-point
+    # calls, whose shapes are static arguments, take that path in ops/p2p.py).
+    if layout is None and spec.family != "peer":
+        layout = sharded.layout_of(x, spec.name)
+    if layout is not None:
+        return _sharded(spec, x, layout, comm=comm, root=root, op=op,
+                        transpose_sums=transpose_sums, static=static)
     if _compat.at_top_level():
         program, x = agree(comm, spec.name, _eager_program_for, spec, x, comm, root, op,
                            transpose_sums, static)
@@ -43,6 +51,65 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     if overlap.active() if overlapped is None else overlapped:
         params["overlapped"] = True
     return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
+
+
+def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
+    """The collective of an array laid out over several local devices (sharded.py):
+    each device's shard, on its own communicator, inside one manual region."""
+    info = comm_layer.resolve(comm, spec.name)
+    eager = _compat.at_top_level()
+    # On CPU the per-device calls run on the devices' progress threads: no XLA
+    # thread waits in MPI while the program's own collectives rendezvous.
+    overlapped = jax.default_backend() == "cpu" if eager else _on_cpu(x)
+    kwargs = dict(comm=info, root=root, op=op, transpose_sums=transpose_sums, static=static)
+    if not eager:
+        return sharded.run(spec.name, x, layout, functools.partial(
+            bind, spec, overlapped=overlapped, **kwargs), spec.family, eager=False)
+    key = (spec.name, layout.key(), info.slot, root, op, transpose_sums, static, overlapped)
+    try:
+        program = _SHARDED_PROGRAMS.get(key)
+    except TypeError:  # an unhashable op or static argument: not cached
+        key, program = None, None
+    if program is None:
+        call = functools.partial(bind, spec, overlapped=overlapped, **kwargs)
+        program = jax.jit(functools.partial(sharded.run, spec.name, layout=layout, call=call,
+                                            family=spec.family, eager=False))
+        if key is not None:
+            _SHARDED_PROGRAMS[key] = program
+    sharded.check(spec.name, x, layout)
+    after_pending_programs()
+    with _compat.no_context_mesh():
+        return run_eagerly(program, x)
+
+
+_SHARDED_PROGRAMS = {}
+
+
+def on_each_device(fn, args, layout, out_specs):
+    """fn(*shards) on each device's shards of args (laid out as `layout`), as one
+    manual region; at the top level compiled and run now, after pending programs."""
+    region = jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(layout.spec for _ in args),
+                           out_specs=out_specs, check_vma=False)
+    if not _compat.at_top_level():
+        return region(*args)
+    after_pending_programs()
+    program = jax.jit(region)
+    with _compat.no_context_mesh():
+        return run_eagerly(lambda packed: program(*packed), tuple(args))
+
+
+def per_device_overlap():
+    """Whether per-device calls in a manual region run on the progress threads (CPU)."""
+    return jax.default_backend() == "cpu"
+
+
+def _on_cpu(x):
+    """Whether the traced x lives on CPU devices (the mesh's, else the default backend)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    kind = getattr(mesh, "device_kind", None) or getattr(mesh, "_device_kind", None)
+    if isinstance(kind, str):
+        return kind == "cpu"
+    return jax.default_backend() == "cpu"
 
 
 # Eager calls: one compiled program per (collective, communicator slot, root, op,
@@ -90,7 +157,11 @@ def run_eagerly(program, x):
     try:
         _primitive.lowering_eagerly[0] = True  # its call site is not compared (see there)
         try:
-            out = program(x)
+            if _compat.context_mesh_set():  # the program names its own devices
+                with _compat.no_context_mesh():
+                    out = program(x)
+            else:
+                out = program(x)
         finally:
             _primitive.lowering_eagerly[0] = False
         return out.block_until_ready() if isinstance(out, jax.Array) else jax.block_until_ready(out)
@@ -128,6 +199,15 @@ def collective(spec, x, **kwargs):
         return bind(spec, leaves[0], **kwargs)
     if not leaves:
         return x
+    layouts = [sharded.layout_of(leaf, spec.name) for leaf in leaves]
+    laid_out = next((layout for layout in layouts if layout is not None), None)
+    if laid_out is not None:
+        # Leaves over several devices do not fuse: each moves its own shards, and
+        # a leaf without a layout is replicated over the same devices.
+        return jax.tree.unflatten(treedef, [
+            bind(spec, leaf, layout=layout or sharded.Layout(laid_out.mesh, (), jnp.ndim(leaf)),
+                 **kwargs)
+            for leaf, layout in zip(leaves, layouts)])
     leaves = _validate.agreed(kwargs["comm"], spec.name, _validate.each_leaf, x, leaves,
                               lambda leaf: _validate.as_array(leaf, spec.name))
     info = kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)

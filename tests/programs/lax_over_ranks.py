@@ -177,6 +177,26 @@ def groups_against_jax():
                                            check_vma=False))
             compared_with_jax(what, ours, theirs, everyone, 16,
                               with_vjp=name not in ("pmax", "pmin"))  # JAX has no vjp of those
+    if LOCAL == 1:
+        return
+    # Over ranks x devices (participant p = rank * L + k): one group in reverse, the
+    # same device of every rank, and each process's own devices (issue 44).
+    for groups in ([list(range(N))[::-1]],
+                   [[r * LOCAL + k for r in range(SIZE)] for k in range(LOCAL)],
+                   [[r * LOCAL + k for k in range(LOCAL)][::-1] for r in range(SIZE)]):
+        for name, body in [
+                ("psum", lambda x, a: lax.psum(x, a, axis_index_groups=groups)),
+                ("pmax", lambda x, a: lax.pmax(x, a, axis_index_groups=groups)),
+                ("all_gather", lambda x, a: lax.all_gather(x, a, axis_index_groups=groups)
+                 .reshape(-1, 3))]:
+            what = f"{name} over ranks x devices in groups {groups}"
+            ours = jax.jit(jax.shard_map(lambda x: body(x, (R, "dev")), mesh=MESH,
+                                         in_specs=P((R, "dev")), out_specs=P((R, "dev")),
+                                         check_vma=False))
+            theirs = jax.jit(jax.shard_map(lambda x: body(x, ("r", "dev")), mesh=REFERENCE_MESH,
+                                           in_specs=P(("r", "dev")), out_specs=P(("r", "dev")),
+                                           check_vma=False))
+            compared_with_jax(what, ours, theirs, everyone, 16, with_vjp=name == "psum")
 
 
 attempt("invariant reductions", invariant_results)

@@ -126,5 +126,38 @@ for name, call in [
         ("assert_equal of different data (raises on every rank)",
          lambda: multihost_utils.assert_equal(mine, "differs"))]:
     same(name, lambda: [call()], lambda: [with_jax_own(call)])
+# Under a mesh context (jax.set_mesh, as JAX's own multiprocess tests call them):
+# mpicoll's host-data programs name their own device, whatever mesh is in context.
+context = jax.make_mesh((SIZE, LOCAL), ("p", "d"))
+with jax.set_mesh(context):
+    same("process_allgather under jax.set_mesh", lambda: gather(mine),
+         lambda: JAX_OWN["process_allgather"](mine), everyone)
+    same("broadcast_one_to_all under jax.set_mesh", lambda: spread({"v": mine}),
+         lambda: JAX_OWN["broadcast_one_to_all"]({"v": mine}))
+    same("sync_global_devices under jax.set_mesh",
+         lambda: [multihost_utils.sync_global_devices("in context")],
+         lambda: [with_jax_own(lambda: multihost_utils.sync_global_devices("in context"))])
+# axis_index_groups over a pmap of every process's devices (issue 44): groups within
+# each process, the same device of every process, and one group in reverse order;
+# participant p holds p + 1.  numpy is the reference.
+if LOCAL > 1:
+    from jax import lax  # noqa: E402
+    N = SIZE * LOCAL
+    held = np.arange(RANK * LOCAL, (RANK + 1) * LOCAL, dtype=np.float32) + 1
+    for groups in ([[r * LOCAL + k for k in range(LOCAL)] for r in range(SIZE)],
+                   [[r * LOCAL + k for r in range(SIZE)] for k in range(LOCAL)],
+                   [list(range(N))[::-1]]):
+        group_of = {p: group for group in groups for p in group}
+        summed = jax.pmap(lambda v: lax.psum(v, "i", axis_index_groups=groups),
+                          axis_name="i")(held)
+        rows = jax.pmap(lambda v: lax.all_gather(v, "i", axis_index_groups=groups),
+                        axis_name="i")(held)
+        for k in range(LOCAL):
+            group = group_of[RANK * LOCAL + k]
+            if float(summed[k]) != sum(p + 1 for p in group):
+                failures.append(f"pmap psum in groups {groups}, device {k}: {summed[k]}")
+            if np.asarray(rows[k]).tolist() != [float(p + 1) for p in group]:
+                failures.append(f"pmap all_gather in groups {groups}, device {k}: "
+                                f"{np.asarray(rows[k]).tolist()}")
 check_installed()
 report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices, multihost_utils)")

@@ -1,0 +1,95 @@
+"""An allreduce of an array laid out over a process's devices (issue 44), against the
+same work written with shard_map over mpicoll.mesh() and against one device's array.
+
+    mpiexec -n 2 python benchmarks/sharded_arrays.py [--mib 4] [--repeats 21]
+
+Each process holds --mib MiB of float32 (its logical array) and allreduces it
+across the ranks, four ways, inside jax.jit (one call per dispatch):
+
+  P("d") array      mpicoll.allreduce(x) on x = device_put(..., NamedSharding(mesh,
+                    P("d"))): each device allreduces its half on its communicator
+  replicated        the same on x replicated on both devices (P()): each device
+                    allreduces half of it, the halves gathered within the process
+  shard_map         jax.shard_map(mpicoll.allreduce, mpicoll.mesh("dev"),
+                    P("dev")) on the same P("d") data: what users wrote before
+  one device        mpicoll.allreduce(x) on a single-device array of the same bytes
+
+Timing: warm-up, then the median over --repeats runs of --inner calls, each
+started together (a barrier) and taken as the slowest rank's time, always with
+block_until_ready(); every result checked against numpy.  Ratios to the P("d")
+row are printed beside each.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpicoll  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+
+
+def timed(fn, x, repeats, inner):
+    out = fn(x)
+    out.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        COMM.Barrier()
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(x)
+        out.block_until_ready()
+        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX) / inner)
+    return statistics.median(times), out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--inner", type=int, default=5)
+    args = parser.parse_args()
+    devices = jax.local_device_count()
+    count = int(args.mib * 2**20 / 4) // devices * devices
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+    data = np.arange(count, dtype=np.float32) % 1000 + rank
+    want = sum(np.arange(count, dtype=np.float32) % 1000 + r for r in range(size))
+
+    mesh = jax.make_mesh((devices,), ("d",))
+    sharded = jax.device_put(data, NamedSharding(mesh, P("d")))
+    replicated = jax.device_put(data, NamedSharding(mesh, P()))
+    single = jax.device_put(data, jax.local_devices()[0])
+    local = mpicoll.mesh("dev")
+    shard_mapped = jax.jit(jax.shard_map(mpicoll.allreduce, mesh=local,
+                                         in_specs=P("dev"), out_specs=P("dev")))
+    allreduce = jax.jit(mpicoll.allreduce)
+    rows = [("P(\"d\") array", allreduce, sharded),
+            ("replicated", allreduce, replicated),
+            ("shard_map over mpicoll.mesh", shard_mapped,
+             jax.device_put(data, NamedSharding(local, P("dev")))),
+            ("one device", allreduce, single)]
+    results = []
+    for name, fn, x in rows:
+        seconds, out = timed(fn, x, args.repeats, args.inner)
+        if not np.allclose(np.asarray(out), want):
+            raise SystemExit(f"{name}: wrong result")
+        results.append((name, seconds))
+    if rank == 0:
+        base = results[0][1]
+        print(f"allreduce of {args.mib:g} MiB per process, {size} ranks x {devices} devices, "
+              f"jax {jax.__version__}: us per call, median of {args.repeats} (slowest rank)")
+        for name, seconds in results:
+            print(f"  {name:<30} {seconds * 1e6:10.1f}   {seconds / base:5.2f}x P(\"d\")")
+
+
+if __name__ == "__main__":
+    main()
