@@ -34,12 +34,15 @@ def test_defaults_when_nothing_is_set():
     ("MPICOLL_CHECK", "off", "check", "off"),
     ("MPICOLL_CHECK", "first", "check", "first-run"),
     ("MPICOLL_TIMEOUT", "2.5", "timeout", 2.5),
+    ("MPICOLL_TIMEOUT", "10min", "timeout", 600.0),
+    ("MPICOLL_TRACE_SKIP", "3", "trace_skip", 3),
     ("MPICOLL_ABORT_ON_ERROR", "0", "abort_on_error", False),
     ("MPICOLL_ABORT_ON_ERROR", "yes", "abort_on_error", True),
     ("MPICOLL_AUTODIFF", "Convention", "autodiff", "convention"),
     ("MPICOLL_DISPATCH", "tokens", "dispatch", "tokens"),
     ("MPICOLL_GPU_TRANSPORT", "staged", "gpu_transport", "staged"),
     ("MPICOLL_GPU_CHUNK_BYTES", "0", "gpu_chunk_bytes", 0),
+    ("MPICOLL_GPU_CHUNK_BYTES", "8MiB", "gpu_chunk_bytes", 8 << 20),
     ("MPICOLL_LOCAL_COMBINE_BYTES", "4096", "local_combine_bytes", 4096),
     ("MPICOLL_SPLIT_ALLREDUCE_BYTES", " 65536 ", "split_allreduce_bytes", 65536),
     ("MPICOLL_FLIGHT_RECORDS", "0", "flight_records", 0),
@@ -54,15 +57,16 @@ def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
 
 
 @pytest.mark.parametrize("variable, raw, message", [
-    ("MPICOLL_TIMEOUT", "soon", "MPICOLL_TIMEOUT must be a number of seconds"),
-    ("MPICOLL_TIMEOUT", "-1", "MPICOLL_TIMEOUT must be >= 0"),
-    ("MPICOLL_DISPATCH", "fifo", "MPICOLL_DISPATCH must be one of"),
-    ("MPICOLL_AUTODIFF", "sometimes", "MPICOLL_AUTODIFF must be one of"),
-    ("MPICOLL_GPU_TRANSPORT", "nvlink", "MPICOLL_GPU_TRANSPORT must be one of"),
-    ("MPICOLL_GPU_CHUNK_BYTES", "4MiB", "MPICOLL_GPU_CHUNK_BYTES='4MiB' must be a non-negative"),
-    ("MPICOLL_LOCAL_COMBINE_BYTES", "-5", "MPICOLL_LOCAL_COMBINE_BYTES='-5' must be"),
-    ("MPICOLL_FLIGHT_RECORDS", "-1", "MPICOLL_FLIGHT_RECORDS='-1' must be a non-negative"),
-    ("MPICOLL_FLIGHT_RECORDS", "many", "MPICOLL_FLIGHT_RECORDS='many' must be a non-negative"),
+    ("MPICOLL_TIMEOUT", "soon", "MPICOLL_TIMEOUT='soon' must be a duration >= 0"),
+    ("MPICOLL_TIMEOUT", "-1", "MPICOLL_TIMEOUT='-1' must be a duration >= 0"),
+    ("MPICOLL_DISPATCH", "fifo", "MPICOLL_DISPATCH='fifo' must be one of: default, device-order, "
+                                 "tokens$"),
+    ("MPICOLL_AUTODIFF", "sometimes", "MPICOLL_AUTODIFF='sometimes' must be one of"),
+    ("MPICOLL_GPU_TRANSPORT", "nvlink", "MPICOLL_GPU_TRANSPORT='nvlink' must be one of"),
+    ("MPICOLL_GPU_CHUNK_BYTES", "4MB", "MPICOLL_GPU_CHUNK_BYTES='4MB' must be a size >= 0"),
+    ("MPICOLL_LOCAL_COMBINE_BYTES", "-5", "MPICOLL_LOCAL_COMBINE_BYTES='-5' must be a size"),
+    ("MPICOLL_FLIGHT_RECORDS", "-1", "MPICOLL_FLIGHT_RECORDS='-1' must be a whole number >= 0"),
+    ("MPICOLL_FLIGHT_RECORDS", "many", "MPICOLL_FLIGHT_RECORDS='many' must be a whole number"),
     ("MPICOLL_TRACE", "/proc/mpicoll-trace", "MPICOLL_TRACE='/proc/mpicoll-trace': mpicoll "
                                              "cannot write there"),
     ("MPICOLL_FLIGHT_DIR", "/no/such/parent/flight", "MPICOLL_FLIGHT_DIR='/no/such/parent/"
@@ -73,13 +77,142 @@ def test_a_bad_value_names_its_variable(variable, raw, message):
         _settings.from_environment({variable: raw})
 
 
+# Issue 46: a value outside a setting's spellings is refused, never read as another
+# (MPICOLL_CHECK=none gave every-call, the opposite).
+@pytest.mark.parametrize("raw", ["none", "always", "never", "2", "every", "firstrun", "yes please"])
+def test_an_unknown_check_mode_is_refused_with_the_valid_ones(raw):
+    with pytest.raises(ValueError) as caught:
+        _settings.from_environment({"MPICOLL_CHECK": raw})
+    assert str(caught.value) == (
+        f"MPICOLL_CHECK={raw!r} must be one of: off (0, false, no), first-run (first), "
+        "every-call (all, 1, true, yes, on)")
+
+
+@pytest.mark.parametrize("variable", ["MPICOLL_ABORT_ON_ERROR", "MPICOLL_AS_MPI4JAX"])
+@pytest.mark.parametrize("raw", ["maybe", "2", "enabled", "-1"])
+def test_an_on_off_setting_takes_the_on_off_spellings_only(variable, raw):
+    with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be on \(1, true, yes, on\) "
+                                         r"or off \(0, false, no, off\)$"):
+        _settings.from_environment({variable: raw})
+
+
+_ON_OFF = {"1": True, "TRUE": True, "yes": True, "On": True,
+           "0": False, "false": False, "NO": False, "off": False}
+
+
+@pytest.mark.parametrize("raw, on", _ON_OFF.items())
+def test_every_on_off_setting_reads_the_same_spellings(raw, on):
+    settings, _ = _settings.from_environment({"MPICOLL_ABORT_ON_ERROR": raw,
+                                              "MPICOLL_AS_MPI4JAX": raw, "MPICOLL_CHECK": raw})
+    assert settings.abort_on_error is on and settings.as_mpi4jax is on
+    assert settings.check == ("every-call" if on else "off")
+
+
+# One rule for every duration: seconds alone, or with ms, s, min or h.
+_DURATIONS = {"10": 10.0, "10s": 10.0, "10min": 600.0, "2.5": 2.5, "250ms": 0.25, "1h": 3600.0,
+              "0": 0.0, " 3 S ": 3.0, "1.5MIN": 90.0, ".5s": 0.5}
+
+
+@pytest.mark.parametrize("variable, field", [("MPICOLL_TIMEOUT", "timeout"),
+                                             ("MPICOLL_STALL_REPORT", "stall_report")])
+def test_every_duration_setting_reads_the_same_spellings(variable, field):
+    for raw, seconds in _DURATIONS.items():
+        settings, sources = _settings.from_environment({variable: raw})
+        assert getattr(settings, field) == pytest.approx(seconds), raw
+        assert sources[field] == f"{variable}={raw.strip()}"
+    for raw in ("10m", "10 minutes", "1e3", "inf", "nan", "10sec", "5d", "1:30", "-2s"):
+        with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a duration >= 0: "
+                                             r"seconds \(10, 2\.5\) or with a unit "
+                                             r"\(500ms, 10s, 10min, 2h\)$"):
+            _settings.from_environment({variable: raw})
+
+
+@pytest.mark.parametrize("variable, field", [("MPICOLL_GPU_CHUNK_BYTES", "gpu_chunk_bytes"),
+                                             ("MPICOLL_LOCAL_COMBINE_BYTES", "local_combine_bytes"),
+                                             ("MPICOLL_SPLIT_ALLREDUCE_BYTES",
+                                              "split_allreduce_bytes")])
+def test_every_size_setting_reads_the_same_spellings(variable, field):
+    for raw, size in {"4194304": 4 << 20, "4MiB": 4 << 20, "4096kib": 4 << 20, "1GiB": 1 << 30,
+                      "0": 0, "512B": 512}.items():
+        assert getattr(_settings.from_environment({variable: raw})[0], field) == size, raw
+    for raw in ("4MB", "4M", "1.5MiB", "lots", "-1"):
+        with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a size >= 0"):
+            _settings.from_environment({variable: raw})
+
+
+@pytest.mark.parametrize("variable", ["MPICOLL_FLIGHT_RECORDS", "MPICOLL_GATHER_PIECES",
+                                      "MPICOLL_TRACE_SKIP"])
+def test_every_count_setting_reads_the_same_spellings(variable):
+    field = next(f for f, (v, _) in _settings._VARIABLES.items() if v == variable)
+    assert getattr(_settings.from_environment({variable: "12"})[0], field) == 12
+    for raw in ("1.0", "1e3", "-1", "ten", "10s"):
+        with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a whole number >= 0$"):
+            _settings.from_environment({variable: raw})
+
+
+# Misspellings on purpose, in these tests and in docs/settings.md.
+_MISSPELT = {"MPICOLL_TIMOUT", "MPICOLL_STALLREPORT", "MPICOLL_CHEK", "MPICOLL_ZEBRA"}
+
+
+def test_an_unknown_variable_is_named_with_the_closest_known_one():
+    unknown = _settings.unknown_variables({"MPICOLL_TIMOUT": "10", "MPICOLL_STALLREPORT": "5",
+                                           "MPICOLL_CHEK": "1", "MPICOLL_ZEBRA": "1",
+                                           "MPICOLL_TIMEOUT": "5", "PATH": "/bin"})
+    assert unknown == [("MPICOLL_CHEK", "MPICOLL_CHECK"),
+                       ("MPICOLL_STALLREPORT", "MPICOLL_STALL_REPORT"),
+                       ("MPICOLL_TIMOUT", "MPICOLL_TIMEOUT"), ("MPICOLL_ZEBRA", None)]
+    assert _settings.unknown_variable_message("MPICOLL_TIMOUT", "MPICOLL_TIMEOUT") == (
+        "mpicoll: MPICOLL_TIMOUT is not a variable mpicoll reads; did you mean MPICOLL_TIMEOUT? "
+        "(the settings: docs/settings.md)")
+
+
+def test_every_mpicoll_variable_the_repository_uses_is_known():
+    """Nothing legitimate warns: every MPICOLL_* name in the code, scripts and docs
+    is a setting, one of OTHER_VARIABLES, or a C macro of csrc/."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    name = re.compile(r"\bMPICOLL_[A-Z0-9_]*[A-Z0-9]\b")
+    macros = set()
+    for path in (root / "mpicoll" / "csrc").rglob("*"):
+        if path.suffix in (".h", ".cc", ".def", ".cu"):
+            macros.update(name.findall(path.read_text(errors="replace")))
+    used = {}
+    for folder in ("mpicoll", "tests", "launch", "tools", "examples", "benchmarks", "docs"):
+        for path in (root / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".sh", ".sbatch", ".md", ".toml", ".cfg"):
+                for found in name.findall(path.read_text(errors="replace")):
+                    used.setdefault(found, path.relative_to(root))
+    for path in (root / "Makefile", root / "setup.py", root / "README.md"):
+        for found in name.findall(path.read_text(errors="replace")):
+            used.setdefault(found, path.relative_to(root))
+    known = set(_settings.known_variables())
+    strays = {n: str(where) for n, where in used.items()
+              if n not in known and n not in macros and n not in _MISSPELT}
+    assert not strays, f"MPICOLL_* names used but unknown to settings.py: {strays}"
+    assert set(_settings.OTHER_VARIABLES) <= set(used), "an OTHER_VARIABLES entry nothing uses"
+
+
+@serial_only
+def test_an_unknown_variable_warns_once_at_import_pointing_at_it():
+    program = "import mpicoll\nimport mpicoll.runtime.settings\nimport mpicoll\n"
+    env = {"MPICOLL_TIMOUT": "10", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("UnknownVariableWarning") == 1, run.stderr
+    assert ("<string>:1: UnknownVariableWarning: mpicoll: MPICOLL_TIMOUT is not a variable "
+            "mpicoll reads; did you mean MPICOLL_TIMEOUT?") in run.stderr
+
+
 @serial_only
 def test_a_bad_variable_stops_the_import():
     env = {"MPICOLL_SPLIT_ALLREDUCE_BYTES": "lots", "PATH": "/usr/bin:/bin"}
     run = subprocess.run([sys.executable, "-c", "import mpicoll"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be a non-negative integer" in run.stderr
+    assert "MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be a size >= 0" in run.stderr
 
 
 def test_the_trace_directory_is_made_at_import_and_given_absolute(tmp_path, monkeypatch):
@@ -159,3 +292,25 @@ def test_the_reduction_ops_are_the_extensions():
     from mpi4py import MPI
     for name in native:
         assert _types.op_name(getattr(MPI, name.upper()), "test") == name
+
+
+@serial_only
+def test_a_misread_setting_stops_the_import_on_every_rank_and_a_misspelt_one_warns():
+    from conftest import run_mpiexec
+    program = ("import os, warnings\nwarnings.simplefilter('always')\n"
+               "try:\n    import mpicoll\nexcept ValueError as error:\n"
+               "    os.write(1, f'refused: {error}\\n'.encode())\nelse:\n"
+               "    os.write(1, b'imported\\n')")
+    refused = run_mpiexec(3, [sys.executable, "-c", program], timeout=120,
+                          env={"MPICOLL_CHECK": "none"})
+    assert refused.returncode == 0, refused.summary()
+    assert "imported" not in refused.output, refused.summary()
+    assert refused.output.count("refused: MPICOLL_CHECK='none' must be one of: off (0, false, "
+                                "no), first-run (first), every-call (all, 1, true, yes, on)") \
+        == 3, refused.summary()
+    warned = run_mpiexec(2, [sys.executable, "-c", program], timeout=120,
+                         env={"MPICOLL_TIMOUT": "10"})
+    assert warned.returncode == 0, warned.summary()
+    assert warned.output.count("imported") == 2, warned.summary()
+    assert warned.output.count("MPICOLL_TIMOUT is not a variable mpicoll reads; did you mean "
+                               "MPICOLL_TIMEOUT?") == 2, warned.summary()

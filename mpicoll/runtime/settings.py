@@ -2,33 +2,43 @@
 
 The other modules never read the environment: they read `current()`.  A setting
 that can change while a program runs (the check mode, the timeout, autodiff,
-dispatch) has its own setter in the public API, which starts from the value read
-here; the allreduce thresholds change only within `override(...)`, for
-measurements and tests.  `sources()` says where each value came from.
+dispatch, the timeline) has its own setter in the public API, which starts from
+the value read here; the allreduce thresholds change only within `override(...)`,
+for measurements and tests.  `sources()` says where each value came from.
+
+Every value is validated at import, on every rank alike: one spelling rule for
+each kind (on/off, durations, byte sizes, counts; see _flag and _quantity), and
+a value outside it stops the import with the variable and its valid values.  An
+MPICOLL_* variable nothing reads warns once, with the closest known name.
 
   variable                     values (default first)               what it sets
-  MPICOLL_ABORT_ON_ERROR       1 with more than one rank, else 0     failures.py
-  MPICOLL_CHECK                first-run | every-call (all, 1) | off (0)
-  MPICOLL_TIMEOUT              600 seconds; 0 = never                failures.py
-  MPICOLL_STALL_REPORT         60 seconds; 0 = off                   failures.py
+  MPICOLL_ABORT_ON_ERROR       on with more than one rank, else off  failures.py
+  MPICOLL_CHECK                first-run | every-call (all, on) | off
+  MPICOLL_TIMEOUT              600 s (10, 10s, 10min, ...); 0 = never  failures.py
+  MPICOLL_STALL_REPORT         60 s; 0 = off                         failures.py
   MPICOLL_FLIGHT_RECORDS       1000 per local device; 0 = off        failures.py
   MPICOLL_FLIGHT_DIR           a folder per job in tempfile.gettempdir() | a directory
   MPICOLL_TRACE                a directory: record the timeline there; unset = off
+  MPICOLL_TRACE_SKIP           0 | N: the timeline leaves out each call site's first N calls
   MPICOLL_AUTODIFF             checked | convention
   MPICOLL_DISPATCH             default | device-order | tokens
   MPICOLL_GPU_TRANSPORT        auto | staged | cuda-aware
-  MPICOLL_GPU_CHUNK_BYTES      4194304 (0 = no pipelining)
-  MPICOLL_LOCAL_COMBINE_BYTES  1048576: ranks x devices allreduce, combine in the handler
-  MPICOLL_SPLIT_ALLREDUCE_BYTES 262144: ranks x devices allreduce, split the MPI work
+  MPICOLL_GPU_CHUNK_BYTES      4 MiB (0 = no pipelining)
+  MPICOLL_LOCAL_COMBINE_BYTES  1 MiB: ranks x devices allreduce, combine in the handler
+  MPICOLL_SPLIT_ALLREDUCE_BYTES 256 KiB: ranks x devices allreduce, split the MPI work
   MPICOLL_GATHER_PIECES        0 (automatic) | N: the local meeting's allgather in N pieces
-  MPICOLL_AS_MPI4JAX           0 | 1: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
+  MPICOLL_AS_MPI4JAX           off | on: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
                                by _mpicoll_as_mpi4jax.py, beside the package; here for info)
 (the two thresholds are per device at 2 local devices; they scale as 1 / (L - 1)).
 """
 
 import contextlib
 import dataclasses
+import difflib
 import os
+import re
+import sys
+import warnings
 
 DEFAULT_GPU_CHUNK_BYTES = 4 << 20
 # A job stuck in a collective ends after 10 minutes (PyTorch's default too),
@@ -61,6 +71,7 @@ class Settings:
     # working directory); else the directory (absolute) the dumps are written to.
     flight_dir: str = ""
     trace: str = ""  # "": no timeline; else the directory (absolute) it is written to
+    trace_skip: int = 0  # the timeline leaves out each call site's first N calls (warm-up)
     autodiff: str = "checked"
     dispatch: str = "default"  # "default": device-order where JAX allows it, else tokens
     gpu_transport: str = "auto"
@@ -76,73 +87,88 @@ class Settings:
     as_mpi4jax: bool = False
 
 
+# The spellings every setting shares (docs/settings.md): case is ignored, and
+#   on/off:    1, true, yes, on  /  0, false, no, off
+#   durations: seconds (10, 2.5), or with a unit: 500ms, 10s, 10min, 2h
+#   byte sizes: bytes (4194304), or with a unit: 4096KiB, 4MiB, 1GiB
+#   counts:    a whole number (0, 1000)
+# Anything else stops the import with one message naming the variable and its
+# valid values: a misread setting is worse than none.
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+_SECONDS = {"": 1.0, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+_BYTES = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_QUANTITY = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
+
+
 def _flag(name, raw):
-    return raw.lower() not in ("0", "false", "no", "off")
+    value = raw.lower()
+    if value in ON or value in OFF:
+        return value in ON
+    raise ValueError(f"{name}={raw!r} must be on ({', '.join(ON)}) or off ({', '.join(OFF)})")
 
 
-def _check(name, raw):
-    raw = raw.lower()
-    if raw in ("first", "first-run"):
-        return "first-run"
-    if raw in ("every-call", "all"):
-        return "every-call"
-    return "every-call" if _flag(name, raw) else "off"
+def _choice(choices, aliases=None):
+    """One of `choices`; aliases: {choice: (other spellings, ...)}."""
+    spellings = {choice: choice for choice in choices}
+    for choice, others in (aliases or {}).items():
+        spellings.update({other: choice for other in others})
+    listed = []
+    for choice in choices:
+        others = [other for other in (aliases or {}).get(choice, ()) if other != choice]
+        listed.append(choice + (f" ({', '.join(others)})" if others else ""))
+    listed = ", ".join(listed)
 
-
-def _choice(choices):
     def parse(name, raw):
         value = raw.lower()
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        return value
+        if value not in spellings:
+            raise ValueError(f"{name}={raw!r} must be one of: {listed}")
+        return spellings[value]
     return parse
 
 
-def _seconds(name, raw):
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 seconds, got {raw!r}")
-    return value
+_check = _choice(CHECK_MODES, {"off": OFF, "first-run": ("first",),
+                               "every-call": ("all",) + ON})
 
 
-def _non_negative_integer(unit=""):
+def _quantity(units, what, whole):
     def parse(name, raw):
-        try:
-            value = int(raw)
-            if value < 0:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} must be a non-negative integer{unit}") from None
-        return value
+        match = _QUANTITY.fullmatch(raw.lower())
+        if match is None or match[2] not in units or (whole and "." in match[1]):
+            raise ValueError(f"{name}={raw!r} must be {what}")
+        value = float(match[1]) * units[match[2]]
+        return round(value) if whole else value
     return parse
 
 
-_bytes = _non_negative_integer(" (bytes)")
-_count = _non_negative_integer()
+_seconds = _quantity(_SECONDS, "a duration >= 0: seconds (10, 2.5) or with a unit "
+                               "(500ms, 10s, 10min, 2h)", whole=False)
+_bytes = _quantity(_BYTES, "a size >= 0: bytes (4194304) or with a unit "
+                           "(4096KiB, 4MiB, 1GiB)", whole=True)
+_count = _quantity({"": 1}, "a whole number >= 0", whole=True)
+
+
+def writable_directory(name, raw, create):
+    """raw as an absolute path of a directory mpicoll can write files to; checked
+    before any file is due, so that a bad one fails early (on every rank alike).
+    create: make it now (the timeline); else only its parent must be writable
+    (the flight recorder makes it when it first dumps).  ValueError naming `name`."""
+    path = os.path.abspath(os.path.expanduser(raw))
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        target = path if create or os.path.isdir(path) else os.path.dirname(path)
+        if not os.path.isdir(target):
+            raise OSError(f"{target} is not a directory")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise OSError(f"{target} is not writable")
+    except OSError as error:
+        raise ValueError(f"{name}={raw!r}: mpicoll cannot write there ({error})") from None
+    return path
 
 
 def _writable_directory(create):
-    """A directory mpicoll writes files to, as an absolute path; checked at import so
-    that a bad one fails there (on every rank alike) rather than when a dump is due.
-    create: make it now (the timeline); else only its parent must be writable (the
-    flight recorder makes it when it first dumps)."""
-    def parse(name, raw):
-        path = os.path.abspath(os.path.expanduser(raw))
-        try:
-            if create:
-                os.makedirs(path, exist_ok=True)
-            target = path if create or os.path.isdir(path) else os.path.dirname(path)
-            if not os.path.isdir(target):
-                raise OSError(f"{target} is not a directory")
-            if not os.access(target, os.W_OK | os.X_OK):
-                raise OSError(f"{target} is not writable")
-        except OSError as error:
-            raise ValueError(f"{name}={raw!r}: mpicoll cannot write there ({error})") from None
-        return path
-    return parse
+    return lambda name, raw: writable_directory(name, raw, create)
 
 
 # field -> (variable, parser of its stripped, non-empty value)
@@ -154,6 +180,7 @@ _VARIABLES = {
     "flight_records": ("MPICOLL_FLIGHT_RECORDS", _count),
     "flight_dir": ("MPICOLL_FLIGHT_DIR", _writable_directory(create=False)),
     "trace": ("MPICOLL_TRACE", _writable_directory(create=True)),
+    "trace_skip": ("MPICOLL_TRACE_SKIP", _count),
     "autodiff": ("MPICOLL_AUTODIFF", _choice(AUTODIFF_MODES)),
     "dispatch": ("MPICOLL_DISPATCH", _choice(DISPATCH_CHOICES)),
     "gpu_transport": ("MPICOLL_GPU_TRANSPORT", _choice(GPU_TRANSPORTS)),
@@ -163,6 +190,53 @@ _VARIABLES = {
     "gather_pieces": ("MPICOLL_GATHER_PIECES", _count),
     "as_mpi4jax": ("MPICOLL_AS_MPI4JAX", _flag),
 }
+
+
+# MPICOLL_* variables read by others than this module (the build, the launch
+# scripts, the tests, an example): known, so that setting one never warns.
+OTHER_VARIABLES = {
+    "MPICOLL_CUDA": "setup.py: build the CUDA handlers (1) or leave them out (0)",
+    "MPICOLL_MPIEXEC": "launch/, tests/, make: the mpiexec to start ranks with",
+    "MPICOLL_VENV": "launch/: the virtual environment the ranks run in",
+    "MPICOLL_LAUNCH_TIMEOUT": "launch/mpirun.sh: end the job after so many seconds",
+    "MPICOLL_LAUNCH_VERBOSE": "launch/mpirun.sh: print the command line it runs",
+    "MPICOLL_LAUNCH_TAG_OUTPUT": "launch/mpirun.sh: each line of output names its rank",
+    "MPICOLL_SLURM_LAUNCHER": "launch/slurm.sbatch: srun or mpiexec",
+    "MPICOLL_TEST_OTHER_LIBMPI": "tests/test_build.py: another MPI library to load",
+    "MPICOLL_MATMUL_N": "examples/batched_matmul.py: the matrices' size",
+    "MPICOLL_MATMUL_BATCH": "examples/batched_matmul.py: the batch",
+    "MPICOLL_MATMUL_REPEATS": "examples/batched_matmul.py: the timed repeats",
+}
+
+
+class UnknownVariableWarning(UserWarning):
+    """An MPICOLL_* variable that no part of mpicoll reads (a misspelt setting?)."""
+
+
+def known_variables():
+    """Every MPICOLL_* variable some part of mpicoll reads."""
+    return [variable for variable, _ in _VARIABLES.values()] + list(OTHER_VARIABLES)
+
+
+def unknown_variables(environ=os.environ):
+    """[(variable, the closest known name or None)] for each MPICOLL_* variable set
+    that mpicoll does not read, in name order."""
+    known = known_variables()
+    prefix = len("MPICOLL_")
+    unknown = []
+    for name in sorted(environ):
+        if name.startswith("MPICOLL_") and name not in known:
+            # Compared without the common prefix, which would make every name "close".
+            close = difflib.get_close_matches(name[prefix:], [k[prefix:] for k in known], n=1,
+                                              cutoff=0.6)
+            unknown.append((name, "MPICOLL_" + close[0] if close else None))
+    return unknown
+
+
+def unknown_variable_message(name, closest):
+    guess = f"; did you mean {closest}?" if closest else ""
+    return (f"mpicoll: {name} is not a variable mpicoll reads{guess} "
+            "(the settings: docs/settings.md)")
 
 
 def from_environment(environ=os.environ):
@@ -178,7 +252,27 @@ def from_environment(environ=os.environ):
     return Settings(**values), where
 
 
+def _warn_at_import(message):
+    """A warning that points at the program's `import mpicoll` line (not at mpicoll's
+    own or importlib's frames)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or "importlib" in frame.f_code.co_filename
+                                 or frame.f_code.co_filename.startswith("<frozen")):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, UnknownVariableWarning)
+        return
+    warnings.warn_explicit(message, UnknownVariableWarning, frame.f_code.co_filename,
+                           frame.f_lineno,
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
 _current, _sources = from_environment()
+# Once, at import, on every rank alike (each reads the same job environment).
+for _name, _closest in unknown_variables():
+    _warn_at_import(unknown_variable_message(_name, _closest))
 
 
 def current():
