@@ -4,6 +4,7 @@ import jax
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import mesh as _mesh
+from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lax import parallel as _parallel
 
@@ -160,8 +161,8 @@ def devices_running_this_trace():
 
 
 def context_mesh_set():
-    """Whether a concrete mesh is in context (jax.set_mesh, `with mesh:`)."""
-    return not _mesh.get_concrete_mesh().empty or not _mesh.get_abstract_mesh().empty
+    """Whether a mesh is in context (jax.set_mesh sets both kinds; either is enough)."""
+    return _config.device_context.value is not None and not _mesh.get_concrete_mesh().empty
 
 
 class no_context_mesh:
@@ -201,5 +202,4 @@ def lower_function(ctx, function, *args, multiple_results):
 
 def is_batched(x):
     """Whether x is being vmapped (a BatchTracer)."""
-    from jax._src.interpreters import batching as _batching
     return isinstance(x, _batching.BatchTracer)

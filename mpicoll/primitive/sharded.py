@@ -41,7 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .. import _compat
 
@@ -81,6 +81,10 @@ def layout_of(x, caller):
     is read).  Raises (the same on every rank, before any MPI call) for a
     layout mpicoll cannot see or run.
     """
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, SingleDeviceSharding) and not isinstance(x, jax.core.Tracer):
+        # The common eager case first: one device's concrete array.
+        return None if _compat.at_top_level() else _context_layout(x, caller)
     if _compat.is_batched(x):
         # Under vmap the call binds its batched primitive, whose lowering lays out the
         # batch as XLA does (define.py, _on_each_device).
@@ -91,7 +95,6 @@ def layout_of(x, caller):
         if mesh is not None and not mesh.empty:
             return _traced_layout(mesh, sharding.spec, x.ndim, caller)
         return _context_layout(x, caller)
-    sharding = getattr(x, "sharding", None)
     if sharding is None or len(sharding.device_set) <= 1:
         return None if _compat.at_top_level() else _context_layout(x, caller)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
