@@ -299,7 +299,10 @@ soak-devices: install
 	  for mode in shard_map pmap global; do \
 	    $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) -s KILL $(TEST_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) \
 	      -n $$1 $(VPY) tests/programs/soak_devices.py $$2 $$mode $(SOAK_STEPS) 16777216; \
-	  done; done
+	  done; \
+	  $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) -s KILL $(TEST_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) \
+	    -n $$1 $(VPY) tests/programs/soak_sharded.py $$2 $(SOAK_STEPS) 16777216; \
+	  done
 
 # The allreduce cost model: measurements at 2-4 simulated hosts, then the fit, the
 # projection to 1,000 nodes and docs/allreduce-model.svg (benchmarks/allreduce_model.py).

@@ -33,15 +33,30 @@ def test_training_steps_over_ranks_and_devices_never_hang(ranks, devices, mode, 
         result.stdout, result.summary()
 
 
+@pytest.mark.parametrize("ranks,devices,steps", [(2, 2, 300), (2, 4, 150), (3, 2, 100)])
+def test_sharded_array_steps_never_hang(ranks, devices, steps):
+    # Arrays laid out over each process's devices: XLA's own all-reduces over the
+    # devices and mpicoll's per-device calls over the ranks in one program (issue 44).
+    result = run_mpiexec(ranks, [sys.executable, PROGRAM.parent / "soak_sharded.py", devices,
+                                 steps], timeout=240)
+    assert result.returncode == 0, result.summary()
+    assert f"SOAK SHARDED OK ({ranks} ranks x {devices} devices, {steps} steps" in \
+        result.stdout, result.summary()
+
+
 def test_training_steps_under_load():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         result = run_mpiexec(2, [sys.executable, PROGRAM, 2, "shard_map", 200], timeout=240)
+        sharded = run_mpiexec(2, [sys.executable, PROGRAM.parent / "soak_sharded.py", 2, 200],
+                              timeout=240)
     finally:
         hog.kill()
         hog.wait()
     assert result.returncode == 0, result.summary()
     assert "SOAK OK (2 ranks x 2 devices, shard_map, 200 steps" in result.stdout, result.summary()
+    assert sharded.returncode == 0, sharded.summary()
+    assert "SOAK SHARDED OK (2 ranks x 2 devices, 200 steps" in sharded.stdout, sharded.summary()
 
 
 @pytest.mark.parametrize("devices", [2, 4])
