@@ -118,32 +118,75 @@ def _register(comm, caller):
         raise RuntimeError(f"mpicoll.{caller}: more than {_BUILD['max_comms']} communicators "
                            "in use; free some with comm.Free()")
     _map_device_ordinals()
-    index = _free_slots.pop()
     # A reused slot gets a new key, so programs compiled for its previous
     # communicator fail instead of running on this one.
-    _generations[index] += 1
-    slot = _generations[index] * _BUILD["max_comms"] + index
+    index = _free_slots[-1]
+    slot = (_generations[index] + 1) * _BUILD["max_comms"] + index
     name = comm.Get_name() or f"comm{slot}"
+    members = _world_ranks(comm)
     per_device = []
     # Collective, in the same order on every rank; watched like a collective
     # (the watchdog names the call that uses it first), since a rank that never
     # gets here would hang the others.
-    extension.begin_setup(_first_call(caller), name, _world_ranks(comm))
+    extension.begin_setup(_first_call(caller), name, members)
     try:
         for device in range(local_devices):
             dup = comm.Dup()
             dup.Set_name(f"mpicoll:{name}:device{device}")
             dup.Set_errhandler(MPI.ERRORS_RETURN)
-            extension.register_comm(slot, device, dup.handle)
             per_device.append(dup)
+            if device == 0:
+                # Every member makes the first duplicate; whether they make the
+                # same number of others is settled on it, before they do.
+                _agree_on_layout(dup, comm, caller, local_devices, members, per_device)
+            extension.register_comm(slot, device, dup.handle)
     finally:
         extension.end_setup()
+    _free_slots.pop()
+    _generations[index] += 1
     _open_side_channel(comm)
     info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(), name=name,
                     per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)
     _slot_infos[slot] = info
     return info
+
+
+_world_hosts = ()  # COMM_WORLD's ranks' hosts, once it has been set up
+
+
+def _agree_on_layout(first, comm, caller, local_devices, members, made):
+    """Raise on every member alike where their local device counts differ: each
+    device talks on its own duplicate, so unequal counts could never match (one
+    small allgather, once per communicator)."""
+    global _world_hosts
+    layouts = first.allgather((local_devices, MPI.Get_processor_name()))
+    if MPI.Comm.Compare(comm, MPI.COMM_WORLD) == MPI.IDENT:
+        _world_hosts = tuple(host for _, host in layouts)
+    counts = [count for count, _ in layouts]
+    if len(set(counts)) == 1:
+        return
+    for dup in made:
+        dup.Free()
+    raise RuntimeError(f"mpicoll.{caller}: the ranks' layouts cannot match: "
+                       f"{_device_counts(counts, members.split(','))}. Every rank of a "
+                       "communicator needs the same number of local devices (each talks on "
+                       "its own duplicate); give JAX the same devices on every rank "
+                       "(XLA_FLAGS=--xla_force_host_platform_device_count=N, "
+                       "CUDA_VISIBLE_DEVICES, topology.py's one GPU per rank)")
+
+
+def _device_counts(counts, ranks):
+    """[2, 1, 1], ["0", "1", "2"] -> 'rank 0 has 2 local devices, ranks 1,2 have 1'."""
+    groups = {}
+    for count, rank in zip(counts, ranks):
+        groups.setdefault(count, []).append(rank)
+    parts = []
+    for index, (count, who) in enumerate(groups.items()):
+        noun = "" if index else (" local device" if count == 1 else " local devices")
+        parts.append(f"rank {who[0]} has {count}{noun}" if len(who) == 1
+                     else f"ranks {','.join(who)} have {count}{noun}")
+    return ", ".join(parts)
 
 
 def _first_call(caller):
@@ -199,7 +242,10 @@ def _open_side_channel(comm):
         else:
             raise RuntimeError("mpicoll: the watchdogs' side channel did not open in 60 s")
         _side_channel = MPI.Comm.fromhandle(handle)
-    if _settings.current().trace:
+    # The timeline's clocks: measured where a trace may need them (a trace from
+    # import, or one started in code on ranks of several hosts; one host's ranks
+    # share its steady clock).
+    if _settings.current().trace or len(set(_world_hosts)) > 1:
         extension.set_clock_offset(_clock_offset(_side_channel))
 
 
