@@ -20,6 +20,7 @@ from . import topology  # noqa: E402
 from .primitive.overlap import overlap  # noqa: E402
 from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
 from .observe import failures as _failures  # noqa: E402
+from .observe.tracing import start_trace, stop_trace, trace  # noqa: E402
 from .runtime.native import thread_mode  # noqa: E402
 from .over_ranks import lax as _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
 
@@ -46,4 +47,5 @@ __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgathe
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
            "clear_error", "default_comm", "dispatch_mode", "exscan", "gather", "gatherv", "mesh",
            "overlap", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
-           "set_autodiff", "set_check_mode", "set_dispatch", "set_timeout", "thread_mode"]
+           "set_autodiff", "set_check_mode", "set_dispatch", "set_timeout", "start_trace",
+           "stop_trace", "thread_mode", "trace"]

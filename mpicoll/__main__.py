@@ -31,10 +31,11 @@ commands:
           stall, a timeout, an abort or SIGUSR1) and say where the ranks diverge: which
           rank is behind or ahead on which communicator, or wrote no dump; exits 1 unless
           every rank has a dump and they agree
-  trace DIR
-          merge every rank's timeline in DIR (MPICOLL_TRACE=DIR) onto one clock: writes
-          DIR/merged.json (wait and transfer spans, for ui.perfetto.dev) and
-          DIR/timeline.svg, and prints each rank's wait and transfer, the straggler named"""
+  trace DIR [--all]
+          merge every rank's timeline in DIR (MPICOLL_TRACE=DIR, mpicoll.trace(DIR)) onto
+          one clock: writes DIR/merged.json (wait and transfer spans, for ui.perfetto.dev)
+          and DIR/timeline.svg, and prints each rank's wait and transfer and names the
+          straggler, each call site's first call (compilation) left out (--all: counted)"""
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
@@ -93,9 +94,10 @@ def _settings_report():
 
     import mpicoll
     from mpicoll.runtime import settings as _settings
-    from mpicoll.observe import failures
+    from mpicoll.observe import failures, tracing
 
     settings, sources = _settings.current(), _settings.sources()
+    tracing_to, started_by = tracing.tracing_to()
     # Those with a setter report their value now (a script may have changed it).
     now = {"check": mpicoll.check_mode(), "autodiff": mpicoll.autodiff_mode(),
            "dispatch": mpicoll.dispatch_mode()}
@@ -107,6 +109,8 @@ def _settings_report():
             value, where = now["dispatch"], "default (device-order where JAX allows it)"
         elif field.name in now and now[field.name] != value:
             value, where = now[field.name], f"set in the program ({where}: {value})"
+        elif field.name == "trace" and started_by == "start_trace":
+            value, where = tracing_to, "set in the program (mpicoll.start_trace)"
         elif field.name == "trace" and not value:
             value = "off"
         elif field.name == "gather_pieces" and not value:
@@ -158,10 +162,16 @@ def _multi_device_dispatch():
 
 def _settings_lines(reports):
     """The settings of rank 0, and a problem for each setting the ranks disagree on."""
+    from .runtime import settings as _settings
+
     lines = ["settings:      (MPICOLL_* variables, read at import; docs/settings.md)"]
     width = max(len(name) for name, _, _ in reports[0]["settings"])
     for name, value, where in reports[0]["settings"]:
         lines.append(f"  {name:<{width}}  {value!s:<12} {where}")
+    # Set on rank 0 but read by nothing (the import warned): a misspelling, most likely.
+    for name, closest in _settings.unknown_variables():
+        guess = f"; did you mean {closest}?" if closest else ""
+        lines.append(f"  {name} is set but mpicoll reads no such variable{guess}")
     problems = []
     for index, (name, value, _) in enumerate(reports[0]["settings"]):
         differ = sorted({r["topology"].rank for r in reports
@@ -407,11 +417,12 @@ def trace(argv):
     """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
     from .observe import timeline as _timeline
 
-    directory = _one_directory(argv, "trace")
+    every = "--all" in argv
+    directory = _one_directory([a for a in argv if a != "--all"], "trace")
     if directory is None:
         return 2
     try:
-        print(_timeline.write_merged(directory))
+        print(_timeline.write_merged(directory, warm_up=not every))
     except ValueError as error:
         print(f"python -m mpicoll trace: {error}", file=sys.stderr)
         return 2

@@ -180,20 +180,25 @@ def test_info_serial():
 
 @serial_only
 def test_info_shows_every_setting_and_where_it_came_from():
-    env = {**os.environ, "MPICOLL_CHECK": "1", "MPICOLL_SPLIT_ALLREDUCE_BYTES": "4096",
-           "MPICOLL_DISPATCH": "", "MPICOLL_TIMEOUT": ""}
+    env = {**os.environ, "MPICOLL_CHECK": "1", "MPICOLL_SPLIT_ALLREDUCE_BYTES": "4KiB",
+           "MPICOLL_DISPATCH": "", "MPICOLL_TIMEOUT": "", "MPICOLL_STALL_REPORT": "2min",
+           "MPICOLL_TIMOUT": "10"}
     result = subprocess.run([sys.executable, "-m", "mpicoll", "info"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split(None, 2)[1:] for line in
-            result.stdout.split("settings:", 1)[1].split("per rank:")[0].splitlines()[1:]}
+    lines = result.stdout.split("settings:", 1)[1].split("per rank:")[0].splitlines()[1:]
+    # A variable nothing reads: the import warned, and info names it under the settings.
+    assert lines[-1] == "  MPICOLL_TIMOUT is set but mpicoll reads no such variable; did you " \
+        "mean MPICOLL_TIMEOUT?", lines
+    assert "MPICOLL_TIMOUT is not a variable mpicoll reads" in result.stderr
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in lines[:-1]}
     import dataclasses
     from mpicoll.runtime import settings as _settings
     assert set(rows) == {f.name for f in dataclasses.fields(_settings.Settings)}
     assert rows["check"] == ["every-call", "MPICOLL_CHECK=1"]
-    assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4096"]
+    assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4KiB"]
     assert rows["timeout"] == ["600.0", "default"]
-    assert rows["stall_report"] == ["60.0", "default"]
+    assert rows["stall_report"] == ["120.0", "MPICOLL_STALL_REPORT=2min"]
     assert rows["dispatch"][0] in ("device-order", "tokens")
 
 

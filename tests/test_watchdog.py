@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpiexec, serial_only
+from mpicoll.observe import records as _records
 
 PROGRAM = Path(__file__).parent / "programs" / "stall.py"
 pytestmark = serial_only
@@ -180,6 +181,48 @@ def test_the_timeline_shows_the_straggler_on_every_device(tmp_path):
     assert len(calls) >= 2 * 5 and sum(w > 30e3 for w in late) <= len(calls) // 4, (calls, late)
     svg = (tmp_path / "timeline.svg").read_text()
     assert svg.startswith("<svg") and "rank 2 dev 1" in svg
+
+
+TIMELINE = Path(__file__).parent / "programs" / "timeline.py"
+
+
+def _trace_summary(directory, *flags):
+    done = subprocess.run([sys.executable, "-m", "mpicoll", "trace", str(directory), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_slow_compile_on_one_rank_is_warm_up_not_a_straggler(tmp_path):
+    # Issue 46: the last rank reaches the step's first call 0.4 s late (its compile);
+    # the 20 calls after are balanced.  Only --all counts the first call.
+    result = run_mpiexec(2, [sys.executable, TIMELINE, "slow-compile", "0.4"], timeout=120,
+                         env={"MPICOLL_TRACE": str(tmp_path)})
+    assert result.returncode == 0, result.summary()
+    summary = _trace_summary(tmp_path)
+    assert "the straggler" not in summary and "no straggler" in summary, summary
+    assert "left out below: the first call of their call site" in summary, summary
+    waits = {int(m[1]): float(m[2]) for m in re.finditer(r"^\s+(\d)\s+\S+\s+\d+\s+([\d.]+)",
+                                                         _trace_summary(tmp_path, "--all"), re.M)}
+    assert waits[0] >= 350 and waits[1] < 100, waits
+
+
+def test_a_trace_started_and_stopped_in_code_holds_its_calls_alone(tmp_path):
+    result = run_mpiexec(3, [sys.executable, TIMELINE, "in-code", str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.summary()
+    for rank in range(3):
+        assert f"rank {rank}: traced to {tmp_path}/block\n" in result.output, result.summary()
+        assert f"rank {rank}: traced to {tmp_path}/skipped/rank{rank}.json" in result.output
+    for name, ops in (("block", ["allreduce", "allgather"] * 5), ("skipped", ["allreduce"] * 2)):
+        files = _records.load(tmp_path / name)
+        assert [f.rank for f in files] == [0, 1, 2]
+        for f in files:
+            assert [r.op for r in f.records] == ops, (name, f.rank, f.records)
+            assert f.kept == "all" and f.reason == "stop_trace"
+            assert all(r.finished_ns for r in f.records)
+        # the same collectives on every rank: one sequence per call on its communicator
+        assert len({(r.comm, r.sequence) for f in files for r in f.records}) == len(ops)
+    assert "timeline of 3 ranks, 30 collectives" in _trace_summary(tmp_path / "block")
 
 
 # One rank prints the traceback and the others a line naming it.  Raised within

@@ -141,15 +141,19 @@ PyObject* SetFlight(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// set_trace(directory): keep every record and write it there ("" = off).
-PyObject* SetTrace(PyObject*, PyObject* arg) {
-  const char* dir = PyUnicode_AsUTF8(arg);
-  if (!dir) return nullptr;
-  {
+// set_trace(directory, skip=0): start a trace there, each call site's first
+// `skip` calls per device left out ("" = off, nothing written).
+PyObject* SetTrace(PyObject*, PyObject* args) {
+  const char* dir;
+  long long skip = 0;
+  if (!PyArg_ParseTuple(args, "s|L", &dir, &skip)) return nullptr;
+  if (dir[0]) {
+    StartTrace(dir, skip < 0 ? 0 : skip);
+  } else {
+    tracing.store(false);
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    trace_dir = dir;
+    trace_dir.clear();
   }
-  tracing.store(dir[0] != '\0');
   NoteWorld();
   Py_RETURN_NONE;
 }
@@ -205,6 +209,12 @@ PyObject* WriteRecordsNow(PyObject* arg, Write&& write) {
 PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
   return WriteRecordsNow(arg, [](const std::string& why) {
     return WriteTrace(WorldRank(), world_size.load(), why);
+  });
+}
+
+PyObject* PyStopTrace(PyObject*, PyObject* arg) {
+  return WriteRecordsNow(arg, [](const std::string& why) {
+    return StopTrace(WorldRank(), world_size.load(), why);
   });
 }
 
@@ -264,7 +274,8 @@ PyMethodDef watch_methods[] = {
     {"set_flight", SetFlight, METH_VARARGS,
      "(records kept per device, 0 = off; directory the dumps go to, '' = a folder for the "
      "job under the third argument)."},
-    {"set_trace", SetTrace, METH_O, "Keep every record, written to this directory ('' = off)."},
+    {"set_trace", SetTrace, METH_VARARGS,
+     "Start a trace to this directory, each site's first skip calls left out ('' = off)."},
     {"set_clock_offset", SetClockOffset, METH_O,
      "Rank 0's clock minus this rank's, in ns (written with the records)."},
     {"set_world_processes", SetWorldProcessesPy, METH_O,
@@ -277,6 +288,7 @@ PyMethodDef watch_methods[] = {
     {"announce_end", PyAnnounceEnd, METH_VARARGS,
      "(ending, exit code, where): this rank's script finished (1) or its process exits (2)."},
     {"write_trace", PyWriteTrace, METH_O, "Write the timeline's records now (reason)."},
+    {"stop_trace", PyStopTrace, METH_O, "Stop the trace and write it (reason) -> written."},
     {"dump_flight", PyDumpFlight, METH_O, "Write the flight recorder's records now (reason)."},
     {"now_ns", PyNowNs, METH_NOARGS, "The records' clock, in ns."},
     {"announce_abort", PyAnnounceAbort, METH_O,

@@ -19,9 +19,10 @@
   collective not completed in time writes that report as the reason and
   aborts the job.
 * Flight recorder (MPICOLL_FLIGHT_RECORDS, default 1000 per local device) and
-  timeline (MPICOLL_TRACE=dir), csrc/core/flight.h: every rank's recent (or
-  every) collective, written on a stall, a timeout, an abort, SIGUSR1 or (the
-  timeline) at exit; read by `python -m mpicoll flight|trace DIR` (observe/records.py).
+  timeline (MPICOLL_TRACE=dir, or mpicoll.trace(dir) in code: observe/tracing.py),
+  csrc/core/flight.h: every rank's recent (or every) collective, written on a
+  stall, a timeout, an abort, SIGUSR1 or (the timeline) when it stops; read by
+  `python -m mpicoll flight|trace DIR` (observe/records.py).
 """
 
 import atexit
@@ -34,6 +35,7 @@ import traceback
 from mpi4py import MPI
 
 from .. import _compat
+from . import tracing as _tracing
 from ..runtime import native as _native, settings as _settings
 from ..runtime.native import extension
 
@@ -172,13 +174,6 @@ def set_stall_report(seconds):
     extension.set_stall_report(seconds)
 
 
-def _write_trace_at_exit():
-    import jax
-
-    jax.effects_barrier()  # collectives still queued in XLA are in the timeline too
-    extension.write_trace("exit")
-
-
 def abort_on_error(exc_type, exc, tb, *, thread=None):
     """Print the rank and traceback of an uncaught exception, then abort every rank.
 
@@ -249,13 +244,12 @@ def configure(settings):
     set_timeout(settings.timeout)
     set_stall_report(settings.stall_report)
     extension.set_flight(settings.flight_records, settings.flight_dir, tempfile.gettempdir())
-    extension.set_trace(settings.trace)
+    _tracing.start_at_import(settings)
     # Registered after mpi4py's MPI_Finalize handler, so they run before it
     # (atexit runs the last registered first: the end notice, the timeline,
     # then the watchdog's stop).
     atexit.register(extension.stop_watchdog)
-    if settings.trace:
-        atexit.register(_write_trace_at_exit)
+    atexit.register(_tracing.stop_at_exit)
     if world_size > 1 and not _native.SERIALIZED:
         global _announcing
         extension.open_side_channel()

@@ -65,6 +65,7 @@ class RankFile:
     written_ns: int
     clock_offset_ns: int
     kept: str  # "last" (flight recorder: the last N) or "all" (timeline)
+    trace_skip: int  # each call site's first N calls were not traced (warm-up)
     records: list
     path: str
 
@@ -94,6 +95,7 @@ def load(directory):
         files.append(RankFile(rank=rank, size=meta["size"], host=meta["host"],
                               reason=meta["reason"], written_ns=meta["written_ns"],
                               clock_offset_ns=meta["clock_offset_ns"], kept=meta["kept"],
+                              trace_skip=meta.get("trace_skip", 0),
                               records=records, path=path))
     return files
 

@@ -1,6 +1,14 @@
 """The timeline: the ranks' records (observe/records.py reads them) merged onto
 rank 0's clock, each collective split into the wait for its peers and the
 transfer (`python -m mpicoll trace DIR`; the format is described in records.py).
+
+The totals and the straggler leave out warm-up: a collective that is, on any
+of its ranks, the first call of its call site with that signature on that
+device.  Those first calls wait for every rank to compile the program (and
+touch its buffers), which one rank may do much later than another on a
+balanced run; they stay in the pictures.  A trace recorded with a skip
+(MPICOLL_TRACE_SKIP, start_trace(skip=)) left warm-up out already, and none of
+its calls is left out again.
 """
 
 import dataclasses
@@ -21,6 +29,7 @@ class Span:
     start_ns: int     # on rank 0's clock
     last_arrival_ns: int
     finished_ns: int
+    warm_up: bool = False  # the first call of its site on one of its ranks (not in the totals)
 
     @property
     def meeting(self):
@@ -37,23 +46,41 @@ class Span:
         return max(0, self.finished_ns - max(self.start_ns, self.last_arrival_ns))
 
 
-def spans(files):
-    """Every finished collective of every rank as a Span on rank 0's clock."""
+def _first_calls(f):
+    """ids of the records of `f` that are the first call of their call site with that
+    signature on their device (site and call: a new shape at a site compiles anew);
+    none where the trace skipped warm-up when it recorded."""
+    if f.trace_skip:
+        return set()
+    seen, first = set(), set()
+    for r in sorted(f.records, key=lambda r: r.started_ns):
+        key = (r.device, r.site, r.call)
+        if key not in seen:
+            seen.add(key)
+            first.add(id(r))
+    return first
+
+
+def spans(files, warm_up=True):
+    """Every finished collective of every rank as a Span on rank 0's clock; warm_up:
+    mark each site's first calls (False: none)."""
     instances = {}
     for f in files:
+        first = _first_calls(f) if warm_up else set()
         for r in f.records:
             if r.finished_ns is None:
                 continue
             # A point-to-point call (sequence 0) is one rank's alone here.
             key = (r.comm, r.members, r.sequence) if r.sequence else (f.rank, id(r))
-            instances.setdefault(key, []).append((f.rank, r, f.clock_offset_ns))
+            instances.setdefault(key, []).append((f.rank, r, f.clock_offset_ns, id(r) in first))
     out = []
     for parts in instances.values():
-        last = max(r.started_ns + offset for _, r, offset in parts)
-        for rank, r, offset in parts:
+        last = max(r.started_ns + offset for _, r, offset, _ in parts)
+        warm = any(first for *_, first in parts)
+        for rank, r, offset, _ in parts:
             out.append(Span(rank=rank, device=r.device, call=r.call, sequence=r.sequence,
                             comm=r.comm, start_ns=r.started_ns + offset, last_arrival_ns=last,
-                            finished_ns=r.finished_ns + offset))
+                            finished_ns=r.finished_ns + offset, warm_up=warm))
     out.sort(key=lambda s: (s.start_ns, s.rank, s.device))
     return out
 
@@ -72,7 +99,7 @@ def merged_trace(files, all_spans):
                            "args": {"name": f"local device {device}"}})
     for s in all_spans:
         common = {"pid": s.rank, "tid": s.device,
-                  "args": {"sequence": s.sequence, "comm": s.comm}}
+                  "args": {"sequence": s.sequence, "comm": s.comm, "warm_up": s.warm_up}}
         if s.meeting:
             events.append({"ph": "X", "cat": "meeting", "name": f"meeting: {s.call}",
                            "ts": (s.start_ns - origin) / 1e3,
@@ -90,10 +117,10 @@ def merged_trace(files, all_spans):
 
 
 def totals(all_spans):
-    """{rank: (collectives, wait ns, transfer ns, times it arrived last)}."""
+    """{rank: (collectives, wait ns, transfer ns, times it arrived last)}, warm-up left out."""
     out = {}
     for s in all_spans:
-        if s.meeting:  # the leader's MPI call inside it has its own span
+        if s.meeting or s.warm_up:  # a meeting: the leader's MPI call inside has its own span
             continue
         n, wait, transfer, last = out.get(s.rank, (0, 0, 0, 0))
         out[s.rank] = (n + 1, wait + s.wait_ns, transfer + s.transfer_ns,
@@ -105,24 +132,51 @@ def trace_summary(files, all_spans):
     """The text `python -m mpicoll trace DIR` prints, the straggler named."""
     per_rank = totals(all_spans)
     calls = sum(1 for s in all_spans if not s.meeting)
+    warm = sum(1 for s in all_spans if s.warm_up and not s.meeting)
     lines = [f"timeline of {len(files)} ranks, {calls} collectives "
-             "(wait: for the last rank to arrive; transfer: from then to this rank's finish)",
-             f"  {'rank':>4}  {'host':<16} {'calls':>6} {'wait ms':>10} {'transfer ms':>12} "
-             f"{'arrived last':>13}"]
+             "(wait: for the last rank to arrive; transfer: from then to this rank's finish)"]
+    if warm:
+        lines.append(f"  {warm} of them left out below: the first call of their call site on "
+                     "some rank (warm-up: compilation; --all counts them)")
+    lines.append(f"  {'rank':>4}  {'host':<16} {'calls':>6} {'wait ms':>10} {'transfer ms':>12} "
+                 f"{'arrived last':>13}")
     hosts = {f.rank: f.host for f in files}
     for rank in sorted(per_rank):
         n, wait, transfer, last = per_rank[rank]
         lines.append(f"  {rank:>4}  {hosts.get(rank, '?'):<16} {n:>6} {wait * 1e-6:>10.3f} "
                      f"{transfer * 1e-6:>12.3f} {last:>13}")
     if len(per_rank) > 1:
-        waits = {rank: v[1] for rank, v in per_rank.items()}
-        straggler = min(waits, key=waits.get)
-        others = [w for r, w in waits.items() if r != straggler]
-        if max(others) > 0:
-            lines.append(f"the straggler: rank {straggler} (it waited least; the others waited "
-                         f"{sum(others) * 1e-6 / len(others):.3f} ms each on average, mostly "
-                         "for it)")
+        lines.append(_verdict(per_rank))
     return "\n".join(lines)
+
+
+# A rank is the straggler when the others waited, on average, at least this many
+# times as long as it did, for at least this share of their time in collectives,
+# and it arrived last at least this many times as often as they did; short of
+# that the ranks are balanced and the smallest wait is chance.
+_STRAGGLER_RATIO = 2.0
+_STRAGGLER_SHARE = 0.1
+
+
+def _verdict(per_rank):
+    """The straggler named, or that there is none."""
+    waits = {rank: v[1] for rank, v in per_rank.items()}
+    straggler = min(waits, key=waits.get)
+    others = [rank for rank in waits if rank != straggler]
+    mean = sum(waits[r] for r in others) / len(others)
+    in_collectives = sum(per_rank[r][1] + per_rank[r][2] for r in others) / len(others)
+    last_mean = sum(per_rank[r][3] for r in others) / len(others)
+    if mean > 0 and mean >= _STRAGGLER_RATIO * waits[straggler] \
+            and mean >= _STRAGGLER_SHARE * in_collectives \
+            and per_rank[straggler][3] >= _STRAGGLER_RATIO * last_mean:
+        return (f"the straggler: rank {straggler} (it waited least, {waits[straggler] * 1e-6:.3f}"
+                f" ms, and arrived last {per_rank[straggler][3]} times; the others waited "
+                f"{mean * 1e-6:.3f} ms each on average, mostly for it)")
+    return (f"no straggler: the ranks waited {min(waits.values()) * 1e-6:.3f}-"
+            f"{max(waits.values()) * 1e-6:.3f} ms each "
+            "(a straggler: the others wait at least "
+            f"{_STRAGGLER_RATIO:g}x as long as it, for {_STRAGGLER_SHARE:.0%} of their time in "
+            f"collectives, and it arrives last {_STRAGGLER_RATIO:g}x as often)")
 
 
 def picture(files, all_spans, width=1000):
@@ -178,11 +232,11 @@ def picture(files, all_spans, width=1000):
     return "\n".join(out) + "\n"
 
 
-def write_merged(directory):
+def write_merged(directory, warm_up=True):
     """Merge DIR's timeline files: writes DIR/merged.json and DIR/timeline.svg;
-    returns the summary text."""
+    returns the summary text (warm_up=False: each site's first calls count too)."""
     files = load(directory)
-    all_spans = spans(files)
+    all_spans = spans(files, warm_up)
     with open(os.path.join(directory, "merged.json"), "w") as handle:
         json.dump(merged_trace(files, all_spans), handle)
     with open(os.path.join(directory, "timeline.svg"), "w") as handle:

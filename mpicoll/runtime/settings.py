@@ -261,8 +261,8 @@ def _warn_at_import(message):
                                  or "importlib" in frame.f_code.co_filename
                                  or frame.f_code.co_filename.startswith("<frozen")):
         frame = frame.f_back
-    if frame is None:
-        warnings.warn(message, UnknownVariableWarning)
+    if frame is None:  # imported by mpicoll's own command line (python -m mpicoll)
+        warnings.warn_explicit(message, UnknownVariableWarning, "<environment>", 0)
         return
     warnings.warn_explicit(message, UnknownVariableWarning, frame.f_code.co_filename,
                            frame.f_lineno,

@@ -8,9 +8,13 @@
 //     MPICOLL_FLIGHT_DIR/rank<r>.json on a stall report (every rank: the
 //     report's state request asks for it), a timeout, an abort and SIGUSR1.
 //     `python -m mpicoll flight DIR` finds where the ranks diverge.
-//   * timeline (MPICOLL_TRACE=DIR): every record is kept (chunks of 4,096,
-//     up to 2**24 per device) and written to DIR/rank<r>.json at exit (and on
-//     a timeout or abort).  `python -m mpicoll trace DIR` merges the ranks.
+//   * timeline (MPICOLL_TRACE=DIR from import to exit, or mpicoll.start_trace
+//     / stop_trace in code): every record while it runs is kept (chunks of
+//     4,096, up to 2**24 per device, after the ring's slots) and written to
+//     DIR/rank<r>.json when it stops (at exit, or by stop_trace; and on a
+//     timeout or abort).  Each call site's first `trace_skip` calls on a
+//     device go to the ring instead (warm-up).  `python -m mpicoll trace DIR`
+//     merges the ranks.
 //
 // Both files are one format, a Chrome trace (pid = rank, tid = local device;
 // open one in chrome://tracing or ui.perfetto.dev) whose events carry every
@@ -38,6 +42,7 @@
 #include <set>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "call.h"
@@ -88,14 +93,22 @@ struct FlightRecord {
 constexpr uint64_t kChunkRecords = 4096;
 constexpr uint64_t kMaxChunks = 4096;  // 2**24 records per device when tracing
 
+// Slots [0, ring) hold the ring, [trace_base, trace_base + trace_next) the
+// trace (trace_base: the ring's size when the trace began).
 struct DeviceLog {
   std::atomic<FlightRecord*> chunks[kMaxChunks] = {};
   std::atomic<uint64_t> next{0};  // records written so far
   uint64_t ring_position = 0;     // where the next one goes in the ring (its writer's only)
+  std::atomic<uint64_t> ring_used{0};         // ring slots written at least once
+  std::atomic<uint64_t> trace_generation{0};  // the trace its trace slots belong to
+  std::atomic<uint64_t> trace_base{0}, trace_next{0};
+  std::unordered_map<int64_t, int64_t> site_calls;  // per site in this trace (trace_skip only)
 };
 
 inline std::atomic<int64_t> flight_capacity{1000};  // records per device in the ring; 0 = off
 inline std::atomic<bool> tracing{false};             // keep every record (MPICOLL_TRACE)
+inline std::atomic<uint64_t> trace_generation{0};    // +1 at each start of a trace
+inline std::atomic<int64_t> trace_skip{0};           // each site's first N calls are not traced
 inline std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
 inline std::mutex flight_setup_mutex;                // allocation and the directories
 inline std::string flight_dir, trace_dir;
@@ -130,19 +143,43 @@ inline FlightRecord* SlotAt(DeviceLog* log, uint64_t position) {
   return &records[position % kChunkRecords];
 }
 
+// Whether the device's call at `site` goes into the trace now.  The device's
+// thread alone calls it; at its first call of a new trace it starts that
+// trace's slots afresh (the writer reads them once the generation matches).
+inline bool Traced(DeviceLog* log, int64_t site) {
+  const uint64_t generation = trace_generation.load(std::memory_order_acquire);
+  if (log->trace_generation.load(std::memory_order_relaxed) != generation) {
+    log->trace_next.store(0, std::memory_order_relaxed);
+    log->trace_base.store(static_cast<uint64_t>(std::max<int64_t>(0, flight_capacity.load())),
+                          std::memory_order_relaxed);
+    log->site_calls.clear();
+    log->trace_generation.store(generation, std::memory_order_release);
+  }
+  const int64_t skip = trace_skip.load(std::memory_order_relaxed);
+  return skip <= 0 || ++log->site_calls[site] > skip;
+}
+
 // Starts a record (finished_ns 0); returns it for FinishRecord, or nullptr.
 inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdentity* comm,
                                  uint64_t sequence, int64_t queued_ns, int64_t started_ns) {
   if (!Recording()) return nullptr;
   DeviceLog* log = LogOf(device);
   const uint64_t index = log->next.load(std::memory_order_relaxed);
-  uint64_t position = index;
-  if (!tracing.load(std::memory_order_relaxed)) {  // the ring: no division on this path
+  uint64_t position;
+  const bool traced = tracing.load(std::memory_order_relaxed) && Traced(log, c.site);
+  if (traced) {
+    position = log->trace_base.load(std::memory_order_relaxed) +
+               log->trace_next.load(std::memory_order_relaxed);
+  } else {  // the ring: no division on this path
+    const uint64_t capacity =
+        static_cast<uint64_t>(std::max<int64_t>(0, flight_capacity.load(std::memory_order_relaxed)));
+    if (capacity == 0) return nullptr;  // a call the trace skips, and no ring
     position = log->ring_position;
     const uint64_t following = position + 1;
-    log->ring_position =
-        following >= static_cast<uint64_t>(flight_capacity.load(std::memory_order_relaxed))
-            ? 0 : following;
+    log->ring_position = following >= capacity ? 0 : following;
+    if (following > log->ring_used.load(std::memory_order_relaxed)) {
+      log->ring_used.store(std::min(following, capacity), std::memory_order_release);
+    }
   }
   FlightRecord* r = SlotAt(log, position);
   if (!r) return nullptr;
@@ -165,6 +202,7 @@ inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdenti
   r->failed.store(0, std::memory_order_relaxed);
   r->stamp.store(2 * index + 2, std::memory_order_release);
   log->next.store(index + 1, std::memory_order_release);
+  if (traced) log->trace_next.fetch_add(1, std::memory_order_release);
   return r;
 }
 
@@ -221,18 +259,24 @@ inline std::string& HostName() {
   return host;
 }
 
+// Which records a file holds: the flight dump (the ring, and while tracing the
+// trace too) or the timeline (the trace's alone).
+enum class Kept { kFlight, kTrace };
+
 // The records of every local device as a Chrome trace; `reason` says why it
 // was written.  Times in microseconds on this process's steady clock.
-inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason) {
+inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason,
+                               Kept kept) {
+  const bool all = kept == Kept::kTrace || tracing.load();
   const int64_t now = NowNs();
   // The reason may be a whole report: it is joined as a string, not formatted
   // into a fixed buffer.
   char rest[256];
   std::snprintf(rest, sizeof(rest),
-                ", \"written_ns\": %lld, \"clock_offset_ns\": %lld, \"kept\": %s},\n"
-                "\"traceEvents\": [\n",
+                ", \"written_ns\": %lld, \"clock_offset_ns\": %lld, \"kept\": %s, "
+                "\"trace_skip\": %lld},\n\"traceEvents\": [\n",
                 static_cast<long long>(now), static_cast<long long>(clock_offset_ns.load()),
-                tracing.load() ? "\"all\"" : "\"last\"");
+                all ? "\"all\"" : "\"last\"", static_cast<long long>(trace_skip.load()));
   std::string out = "{\"displayTimeUnit\": \"ns\", \"otherData\": {\"mpicoll\": 1, \"rank\": " +
                     std::to_string(world_rank) + ", \"size\": " + std::to_string(world_size) +
                     ", \"host\": " + JsonString(HostName()) + ", \"reason\": " +
@@ -251,17 +295,24 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
                   "\"args\": {\"name\": \"local device %d\"}}",
                   world_rank, d, d);
     out += meta;
-    // The slots in use, in the order they were written (by their stamps).
-    const uint64_t written = log->next.load(std::memory_order_acquire);
-    const uint64_t slots = tracing.load() ? written
-                           : std::min<uint64_t>(written, flight_capacity.load());
+    // The slots in use, in the order they were written (by their stamps): the
+    // ring's, and the trace's where it is this trace's.
     std::vector<std::pair<uint64_t, FlightRecord*>> in_order;
-    for (uint64_t position = 0; position < slots; ++position) {
-      FlightRecord* r = log->chunks[position / kChunkRecords].load(std::memory_order_acquire);
-      if (!r) continue;
-      r += position % kChunkRecords;
-      const uint64_t stamp = r->stamp.load(std::memory_order_acquire);
-      if (stamp != 0 && stamp % 2 == 0) in_order.emplace_back(stamp, r);
+    auto take = [&](uint64_t from, uint64_t to) {
+      for (uint64_t position = from; position < to; ++position) {
+        if (position / kChunkRecords >= kMaxChunks) break;
+        FlightRecord* r = log->chunks[position / kChunkRecords].load(std::memory_order_acquire);
+        if (!r) continue;
+        r += position % kChunkRecords;
+        const uint64_t stamp = r->stamp.load(std::memory_order_acquire);
+        if (stamp != 0 && stamp % 2 == 0) in_order.emplace_back(stamp, r);
+      }
+    };
+    if (kept == Kept::kFlight) take(0, log->ring_used.load(std::memory_order_acquire));
+    if (all && log->trace_generation.load(std::memory_order_acquire) ==
+                   trace_generation.load(std::memory_order_acquire)) {
+      const uint64_t base = log->trace_base.load(std::memory_order_relaxed);
+      take(base, base + log->trace_next.load(std::memory_order_acquire));
     }
     std::sort(in_order.begin(), in_order.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -310,13 +361,13 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
 // Writes the records to dir/rank<r>.json (through a temporary file, so a
 // reader never sees half a file); false where it cannot.
 inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
-                         const std::string& reason) {
+                         const std::string& reason, Kept kept) {
   if (dir.empty()) return false;
   // The watchdog and the main thread may both write (an abort meets a notice).
   static std::mutex writing;
   std::lock_guard<std::mutex> lock(writing);
   mkdir(dir.c_str(), 0777);  // the parent exists (checked at import); EEXIST is fine
-  const std::string text = RecordsJson(world_rank, world_size, reason);
+  const std::string text = RecordsJson(world_rank, world_size, reason, kept);
   const std::string path = dir + "/rank" + std::to_string(world_rank) + ".json";
   const std::string partial = path + ".partial";
   FILE* file = std::fopen(partial.c_str(), "w");
@@ -334,12 +385,38 @@ inline bool DumpFlight(int world_rank, int world_size, const std::string& reason
   const int64_t now = NowNs(), last = last_flight_dump_ns.load();
   if (last && now - last < 1000000000) return true;
   last_flight_dump_ns.store(now);
-  return WriteRecords(flight_dir, world_rank, world_size, reason);
+  return WriteRecords(flight_dir, world_rank, world_size, reason, Kept::kFlight);
 }
 
+// The trace so far, to trace_dir ("" once it has stopped: nothing is written).
 inline bool WriteTrace(int world_rank, int world_size, const std::string& reason) {
-  if (!tracing.load() || trace_dir.empty()) return false;
-  return WriteRecords(trace_dir, world_rank, world_size, reason);
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = trace_dir;
+  }
+  if (dir.empty()) return false;
+  return WriteRecords(dir, world_rank, world_size, reason, Kept::kTrace);
+}
+
+// Starts a trace to `dir`, each site's first `skip` calls per device left out.
+inline void StartTrace(const std::string& dir, int64_t skip) {
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    trace_dir = dir;
+  }
+  trace_skip.store(skip);
+  trace_generation.fetch_add(1, std::memory_order_acq_rel);
+  tracing.store(true);
+}
+
+// Stops the trace and writes it (false: there was none, or it cannot be written).
+inline bool StopTrace(int world_rank, int world_size, const std::string& reason) {
+  tracing.store(false);
+  const bool written = WriteTrace(world_rank, world_size, reason);
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  trace_dir.clear();
+  return written;
 }
 
 // SIGUSR1: a flight dump, written by the watchdog thread (no file I/O in a
