@@ -102,7 +102,7 @@ struct DeviceLog {
   std::atomic<uint64_t> ring_used{0};         // ring slots written at least once
   std::atomic<uint64_t> trace_generation{0};  // the trace its trace slots belong to
   std::atomic<uint64_t> trace_base{0}, trace_next{0};
-  std::unordered_map<int64_t, int64_t> site_calls;  // per site in this trace (trace_skip only)
+  std::unordered_map<uint64_t, int64_t> site_calls;  // per site and communicator (trace_skip)
 };
 
 inline std::atomic<int64_t> flight_capacity{1000};  // records per device in the ring; 0 = off
@@ -143,10 +143,12 @@ inline FlightRecord* SlotAt(DeviceLog* log, uint64_t position) {
   return &records[position % kChunkRecords];
 }
 
-// Whether the device's call at `site` goes into the trace now.  The device's
-// thread alone calls it; at its first call of a new trace it starts that
-// trace's slots afresh (the writer reads them once the generation matches).
-inline bool Traced(DeviceLog* log, int64_t site) {
+// Whether the device's call at `site` on `comm` goes into the trace now (calls
+// are counted per site and communicator: a meeting of local devices and its
+// leader's MPI call are one call each).  The device's thread alone calls it;
+// at its first call of a new trace it starts that trace's slots afresh (the
+// writer reads them once the generation matches).
+inline bool Traced(DeviceLog* log, int64_t site, const CommIdentity* comm) {
   const uint64_t generation = trace_generation.load(std::memory_order_acquire);
   if (log->trace_generation.load(std::memory_order_relaxed) != generation) {
     log->trace_next.store(0, std::memory_order_relaxed);
@@ -156,7 +158,10 @@ inline bool Traced(DeviceLog* log, int64_t site) {
     log->trace_generation.store(generation, std::memory_order_release);
   }
   const int64_t skip = trace_skip.load(std::memory_order_relaxed);
-  return skip <= 0 || ++log->site_calls[site] > skip;
+  if (skip <= 0) return true;
+  const uint64_t key = static_cast<uint64_t>(site) * 0x9E3779B97F4A7C15ull ^
+                       reinterpret_cast<uintptr_t>(comm);
+  return ++log->site_calls[key] > skip;
 }
 
 // Starts a record (finished_ns 0); returns it for FinishRecord, or nullptr.
@@ -166,7 +171,7 @@ inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdenti
   DeviceLog* log = LogOf(device);
   const uint64_t index = log->next.load(std::memory_order_relaxed);
   uint64_t position;
-  const bool traced = tracing.load(std::memory_order_relaxed) && Traced(log, c.site);
+  const bool traced = tracing.load(std::memory_order_relaxed) && Traced(log, c.site, comm);
   if (traced) {
     position = log->trace_base.load(std::memory_order_relaxed) +
                log->trace_next.load(std::memory_order_relaxed);
