@@ -107,8 +107,8 @@ def trace(directory, skip=0):
     Args:
         directory: where rank<r>.json is written at the block's end.
         skip: leave out each call site's first `skip` calls (default 0).
-    Yields:
-        The directory, as an absolute path.
+    Returns:
+        A context manager; `as` gives the directory, as an absolute path.
 
     Example::
 
