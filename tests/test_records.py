@@ -360,7 +360,9 @@ def test_a_running_program_traces_between_start_and_stop(tmp_path):
     mpicoll.start_trace(tmp_path / "two", skip=2)
     for _ in range(3):
         step(jnp.ones(4))
-    assert mpicoll.stop_trace() == str(tmp_path / "two" / "rank0.json")
+    # (under the multi-rank suite each rank traces to its own tmp_path)
+    from mpi4py import MPI
+    assert mpicoll.stop_trace() == str(tmp_path / "two" / f"rank{MPI.COMM_WORLD.Get_rank()}.json")
     assert len(_records.load(tmp_path / "two")[0].records) == 1
     with pytest.raises(ValueError, match="skip must be a whole number"):
         mpicoll.start_trace(tmp_path / "three", skip=-1)
