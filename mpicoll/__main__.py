@@ -197,7 +197,16 @@ def _mpi_build_report():
         "mpi4py_mpi": f"{vendor} {'.'.join(map(str, version))}",
         "mpi4py_libmpi": _loaded_libmpi(),
         "cuda_aware": extension.cuda_aware_mpi(),
+        "survives": _survival(),
     }
+
+
+def _survival():
+    """'yes (why)' or 'no (why not)': whether this job survives a lost rank (survive.py)."""
+    from .survive import can_survive
+
+    ok, why = can_survive()
+    return f"{'yes' if ok else 'no'} ({why})"
 
 
 def _loaded_libmpi():
@@ -219,7 +228,8 @@ def _mpi_build_lines(reports):
     cuda = {None: "unknown (this MPI has no query for it)", True: "yes", False: "no"}
     lines = [f"built with:    {first['mpicoll_mpi']} (mpicoll's extension)",
              f"mpi4py loads:  {first['mpi4py_mpi']} ({first['mpi4py_libmpi']})",
-             f"CUDA-aware:    {cuda[first['cuda_aware']]}"]
+             f"CUDA-aware:    {cuda[first['cuda_aware']]}",
+             f"survives a lost rank: {first['survives']}"]
     problems = []
     for key, what in (("mpicoll_mpi", "mpicoll built with"), ("mpi4py_mpi", "mpi4py loads"),
                       ("cuda_aware", "CUDA-aware")):

@@ -12,9 +12,11 @@ and the test is skipped when there is none.
 import importlib.util
 import os
 import pathlib
+from pathlib import Path
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from mpi4py import MPI
@@ -54,7 +56,7 @@ def _other_libmpi():
 # that rank's launcher environment.  (Skipping depends on the rank count, which
 # every rank shares, never on the rank.)
 @serial_only
-def test_import_fails_clearly_when_mpi4py_loads_another_mpi():
+def test_import_fails_clearly_when_mpi4py_loads_another_mpi(tmp_path):
     other, libmpi = _other_libmpi()
     if libmpi is None:
         pytest.skip(f"no {other or 'other MPI'} libmpi found (build another venv: "
@@ -67,7 +69,17 @@ def test_import_fails_clearly_when_mpi4py_loads_another_mpi():
     code = ("from mpi4py import MPI\n"
             "print('mpi4py loaded', MPI.get_vendor()[0], flush=True)\n"
             "import mpicoll\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+    # A copy of the package with this venv's build alone (the other MPI's venv of
+    # this checkout builds its own beside it, which mpicoll would take instead),
+    # imported without site's .pth files (the editable install's finder would find
+    # the checkout's), the venv's site-packages on the path.
+    package = Path(tmp_path) / "mpicoll"
+    shutil.copytree(REPO / "mpicoll", package, ignore=shutil.ignore_patterns(
+        "_mpicoll_ffi_*", "__pycache__", "csrc"))
+    shutil.copy(extension.__file__, package)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sysconfig.get_paths()["purelib"]
+                                         .split(os.pathsep)])
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     if f"mpi4py loaded {BUILT['mpi_vendor']}" in proc.stdout:
@@ -178,7 +190,10 @@ def test_load_error_message_names_the_cause(text, says):
 # library's soname is one no MPI uses (the dynamic loader would take an MPI's
 # libmpi already loaded, or installed, under its real name).
 GONE_LIBMPI = "libmpi.so.97"
-FAKE_EXTENSION = "extern void %s(void); void PyInit__mpicoll_ffi(void) { %s(); }\n"
+# The extension's name carries the MPI family (setup.py's mpi_family).
+FAMILY = "openmpi" if MPI.Get_library_version().startswith("Open MPI") else "mpich"
+FAKE_EXTENSION = ("extern void %s(void); void PyInit__mpicoll_ffi_" + FAMILY
+                  + "(void) { %s(); }\n")
 
 
 def _import_with_fake_extension(tmp_path, symbol, link_gone_libmpi):
@@ -196,7 +211,7 @@ def _import_with_fake_extension(tmp_path, symbol, link_gone_libmpi):
         (libdir / "libmpi.so").symlink_to(GONE_LIBMPI)
         libs = [f"-L{libdir}", "-Wl,--no-as-needed", "-lmpi"]
     (tmp_path / "fake.c").write_text(FAKE_EXTENSION % (symbol, symbol))
-    subprocess.run([*gcc, str(tmp_path / "fake.c"), *libs, "-o", str(package / "_mpicoll_ffi.so")],
+    subprocess.run([*gcc, str(tmp_path / "fake.c"), *libs, "-o", str(package / f"_mpicoll_ffi_{FAMILY}.so")],
                    check=True, timeout=60)
     if link_gone_libmpi:
         shutil.rmtree(tmp_path / "gone")

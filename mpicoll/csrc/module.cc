@@ -205,6 +205,18 @@ PyObject* CudaAwareMpi(PyObject*, PyObject*) {
 #endif
 }
 
+// Survival of a lost rank (ULFM, issue 45): whether this MPI can (MPIX_Comm_revoke
+// and its error classes compiled in), and whether a call has seen a rank die.
+PyObject* FaultTolerance(PyObject*, PyObject*) {
+#if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
+  const bool built = true;
+#else
+  const bool built = false;
+#endif
+  return Py_BuildValue("{s:O,s:O}", "built", built ? Py_True : Py_False, "rank_lost",
+                       rank_lost.load() ? Py_True : Py_False);
+}
+
 // The reduction operators by name, so Python never duplicates the numbering.
 PyObject* OpCodes(PyObject*, PyObject*) {
   PyObject* codes = PyDict_New();
@@ -506,6 +518,8 @@ PyMethodDef methods[] = {
      "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"fault_tolerance", FaultTolerance, METH_NOARGS,
+     "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die}."},
     {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
      "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
     {"set_serialized_mpi", SetSerializedMpi, METH_O,
@@ -527,13 +541,24 @@ PyMethodDef* AllMethods() {
   return all.data();
 }
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mpicoll_ffi",
+// The module's name carries the MPI family it was built against
+// (_mpicoll_ffi_mpich, _mpicoll_ffi_openmpi: setup.py's mpi_family), so that
+// venvs of one checkout built against different MPIs each import their own.
+#ifndef MPICOLL_MODULE
+#define MPICOLL_MODULE _mpicoll_ffi
+#endif
+#define MPICOLL_TEXT_(name) #name
+#define MPICOLL_TEXT(name) MPICOLL_TEXT_(name)
+#define MPICOLL_JOIN_(a, b) a##b
+#define MPICOLL_JOIN(a, b) MPICOLL_JOIN_(a, b)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, MPICOLL_TEXT(MPICOLL_MODULE),
                       "XLA FFI handlers for MPI collectives.", -1, nullptr};
 
 }  // namespace
 }  // namespace mpicoll
 
-PyMODINIT_FUNC PyInit__mpicoll_ffi() {
+PyMODINIT_FUNC MPICOLL_JOIN(PyInit_, MPICOLL_MODULE)() {
   mpicoll::module.m_methods = mpicoll::AllMethods();
   return PyModule_Create(&mpicoll::module);
 }

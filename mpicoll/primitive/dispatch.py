@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from . import define as _primitive, varying as _typing, validate as _validate, overlap, sharded
-from ..runtime import dtypes as _types, comm as comm_layer
+from ..runtime import dtypes as _types, comm as comm_layer, faults as _faults
 from .device_order import after_pending_programs
 
 
@@ -83,6 +83,13 @@ def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
 
 
 _SHARDED_PROGRAMS = {}
+
+
+def forget_programs():
+    """Drop the cached eager programs (mpicoll.shrink: they name old communicators)."""
+    _EAGER_PROGRAMS.clear()
+    _SHARDED_PROGRAMS.clear()
+    _eager_program.cache_clear()
 
 
 def on_each_device(fn, args, layout, out_specs):
@@ -169,7 +176,15 @@ def run_eagerly(program, x):
         runtime_error = _compat.runtime_error_from_fast_path(error)
         if runtime_error is None:
             raise
+        lost = _faults.as_rank_lost(runtime_error)
+        if lost is not None:
+            raise lost from runtime_error
         raise runtime_error.with_traceback(error.__traceback__) from None
+    except jax.errors.JaxRuntimeError as error:
+        lost = _faults.as_rank_lost(error)
+        if lost is None:
+            raise
+        raise lost from error
 
 
 @functools.lru_cache(maxsize=None)

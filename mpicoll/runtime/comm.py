@@ -64,7 +64,8 @@ def default_comm():
     """The communicator a collective uses when comm=None.
 
     Returns:
-        MPI.COMM_WORLD.  mpicoll never talks on it (or on any comm= given);
+        MPI.COMM_WORLD, or after mpicoll.shrink() the survivors' communicator
+        it returned.  mpicoll never talks on it (or on any comm= given);
         at first use it makes private duplicates, one per local device, so its
         messages never match your own mpi4py calls.
 
@@ -72,13 +73,21 @@ def default_comm():
 
         size = mpicoll.default_comm().Get_size()
     """
-    return MPI.COMM_WORLD
+    return _default[0]
+
+
+_default = [MPI.COMM_WORLD]  # the survivors' communicator after mpicoll.shrink()
+
+
+def set_default(comm):
+    """Make comm the default communicator (mpicoll.shrink)."""
+    _default[0] = comm
 
 
 def resolve(comm, caller):
     """Validate comm (None = default) and return its CommInfo; raises before any MPI traffic."""
     if comm is None:
-        comm = MPI.COMM_WORLD
+        comm = _default[0]
     if isinstance(comm, CommInfo):  # already resolved (e.g. by the pytree path)
         return comm
     if not isinstance(comm, MPI.Comm):

@@ -1,6 +1,7 @@
 """Load the FFI extension, check it matches mpi4py's MPI, register the targets."""
 
 import atexit
+import importlib
 import re
 
 import jax
@@ -50,8 +51,28 @@ def load_error_message(error_text):
             f"({error_text}). Build it with {_REBUILD}.")
 
 
+def _import_extension():
+    """The extension built against the MPI that mpi4py loaded: its name carries the MPI
+    family (setup.py's mpi_family), so venvs of one checkout built against different
+    MPIs (make install MPI=openmpi beside the default) each import their own."""
+    package = __package__.rsplit(".", 1)[0]
+    family = "openmpi" if MPI.Get_library_version().startswith("Open MPI") else "mpich"
+    # Another family's build, or an older unnamed one, if that is all there is:
+    # _check_same_mpi then says which MPI it was built against.
+    names = [f"_mpicoll_ffi_{family}", *(f"_mpicoll_ffi_{other}" for other in
+                                         ("mpich", "openmpi") if other != family), "_mpicoll_ffi"]
+    for name in names:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as missing:
+            if missing.name != f"{package}.{name}":
+                raise
+    raise ModuleNotFoundError(f"No module named '{package}._mpicoll_ffi_{family}'",
+                              name=f"{package}._mpicoll_ffi_{family}")
+
+
 try:
-    from .. import _mpicoll_ffi as extension
+    extension = _import_extension()
 except ImportError as error:  # pragma: no cover - depends on the installation
     raise ImportError(load_error_message(str(error))) from error
 

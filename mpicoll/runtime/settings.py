@@ -29,6 +29,8 @@ MPICOLL_* variable nothing reads warns once, with the closest known name.
   MPICOLL_GATHER_PIECES        0 (automatic) | N: the local meeting's allgather in N pieces
   MPICOLL_AS_MPI4JAX           off | on: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
                                by _mpicoll_as_mpi4jax.py, beside the package; here for info)
+  MPICOLL_FT                   off | on: the job was launched fault-tolerant (launch/mpirun.sh
+                               adds ULFM's flags): a lost rank raises mpicoll.RankLost
 (the two thresholds are per device at 2 local devices; they scale as 1 / (L - 1)).
 """
 
@@ -85,6 +87,9 @@ class Settings:
     # Acted on before mpicoll is imported, by the .pth file the install puts in
     # site-packages (_mpicoll_as_mpi4jax.py); read here so that info shows it.
     as_mpi4jax: bool = False
+    # Set by launch/mpirun.sh (MPICOLL_FT=1) for a fault-tolerant launch; read by
+    # survive.py (a job that survives a lost rank, docs/surviving.md).
+    ft: bool = False
 
 
 # The spellings every setting shares (docs/settings.md): case is ignored, and
@@ -189,6 +194,7 @@ _VARIABLES = {
     "split_allreduce_bytes": ("MPICOLL_SPLIT_ALLREDUCE_BYTES", _bytes),
     "gather_pieces": ("MPICOLL_GATHER_PIECES", _count),
     "as_mpi4jax": ("MPICOLL_AS_MPI4JAX", _flag),
+    "ft": ("MPICOLL_FT", _flag),
 }
 
 
@@ -198,6 +204,7 @@ OTHER_VARIABLES = {
     "MPICOLL_CUDA": "setup.py: build the CUDA handlers (1) or leave them out (0)",
     "MPICOLL_MPIEXEC": "launch/, tests/, make: the mpiexec to start ranks with",
     "MPICOLL_VENV": "launch/: the virtual environment the ranks run in",
+    "MPICOLL_TEST_FT_VENV": "tests/test_survive.py: an Open MPI venv to survive lost ranks in",
     "MPICOLL_LAUNCH_TIMEOUT": "launch/mpirun.sh: end the job after so many seconds",
     "MPICOLL_LAUNCH_VERBOSE": "launch/mpirun.sh: print the command line it runs",
     "MPICOLL_LAUNCH_TAG_OUTPUT": "launch/mpirun.sh: each line of output names its rank",

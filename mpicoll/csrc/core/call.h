@@ -3,6 +3,11 @@
 
 #include <mpi.h>
 
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>  // Open MPI's extensions: ULFM's MPIX_Comm_revoke where built with it
+#endif
+
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -122,18 +127,45 @@ inline std::string CommName(MPI_Comm comm) {
 
 // ---------------------------------------------------------------------------
 // The one error path.
+
+// Set once a call has failed because a process of its communicator died (ULFM:
+// a job launched fault-tolerant, MPICOLL_FT=1 on Open MPI 5); Python reads it
+// (mpicoll.lost_ranks, mpicoll.RankLost).
+inline std::atomic<bool> rank_lost{false};
+// The marker Python turns into mpicoll.RankLost (runtime/faults.py).
+inline constexpr const char* kRankLostMarker = "a rank of the job was lost";
+
+// Whether rc says a process of the communicator failed, or the communicator was
+// revoked because one did; where it failed, the communicator is revoked, so that
+// every survivor waiting on it returns too (one that waits for a survivor which
+// has already returned would otherwise wait forever).
+inline bool RankLostFailure(MPI_Comm comm, int rc) {
+#if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
+  int error_class = 0;
+  if (MPI_Error_class(rc, &error_class) != MPI_SUCCESS) return false;
+  if (error_class == MPIX_ERR_PROC_FAILED || error_class == MPIX_ERR_PROC_FAILED_PENDING) {
+    MPIX_Comm_revoke(comm);
+  } else if (error_class != MPIX_ERR_REVOKED) {
+    return false;
+  }
+  rank_lost.store(true);
+  return true;
+#else
+  (void)comm;
+  (void)rc;
+  return false;
+#endif
+}
+
 inline ffi::Error MpiFailure(const Call& c, int rc) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-  char comm_name[MPI_MAX_OBJECT_NAME];
-  int name_len = 0;
-  if (MPI_Comm_get_name(c.comm, comm_name, &name_len) != MPI_SUCCESS || name_len == 0) {
-    std::strcpy(comm_name, "<unnamed>");
-  }
+  const std::string lost = RankLostFailure(c.comm, rc)
+      ? std::string(" (") + kRankLostMarker + ": mpicoll.RankLost)" : std::string();
   return ffi::Error::Internal(std::string("mpicoll.") + c.name + " failed on rank " +
-                              std::to_string(c.rank) + " of communicator " + comm_name + ": " +
-                              std::string(text, len));
+                              std::to_string(c.rank) + " of communicator " + CommName(c.comm) +
+                              ": " + std::string(text, len) + lost);
 }
 
 inline ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {

