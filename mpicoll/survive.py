@@ -88,6 +88,7 @@ def shrink():
     survivors = old.Shrink()
     survivors.Set_name("mpicoll survivors")
     extension.stop_watchdog()
+    extension.fault_recovered()  # the next failure revokes every communicator again
     comm_layer.set_default(survivors)
     _dispatch.forget_programs()
     jax.clear_caches()

