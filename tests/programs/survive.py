@@ -1,13 +1,15 @@
 """Survive lost ranks (issue 45): ranks SIGKILL themselves; the others go on.
 
-    MPICOLL_FT=1 launch/mpirun.sh -n N python survive.py VICTIMS
+    MPICOLL_FT=1 launch/mpirun.sh -n N python survive.py VICTIMS [DEVICES]
 
 VICTIMS: comma-separated "rank@step" (e.g. "3@8,1@20"): that rank of
 MPI.COMM_WORLD kills itself at the start of that step.  Every step runs, in
 this order, an eager allreduce, a jitted one (mpicoll.fault_tolerant), a
 shard_map over mpicoll.mesh() with lax.psum over RANKS, and an allreduce on a
 communicator split from the default one (even and odd ranks); each checked
-against numpy over the ranks alive at that step.  A survivor that catches
+against numpy over the ranks alive at that step.  With DEVICES > 1 local
+devices, the shard_map's psum is over (RANKS, "dev"): a meeting of the local
+devices whose leader's MPI call meets the failure.  A survivor that catches
 RankLost checks .lost, calls mpicoll.shrink(), re-splits its communicator and
 redoes the step from the last commit (mpicoll.State).  Prints "SURVIVED" with
 the survivors and the time from a RankLost to the next completed step.
@@ -18,13 +20,16 @@ import signal
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
-from mpi4py import MPI
+DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 
-import mpicoll
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mpicoll  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 ME = WORLD.Get_rank()
@@ -41,9 +46,10 @@ def programs():
     comm = mpicoll.default_comm()
     halves = comm.Split(comm.Get_rank() % 2, comm.Get_rank())
     jitted = mpicoll.fault_tolerant(jax.jit(mpicoll.allreduce))
-    mesh = mpicoll.mesh()
+    mesh = mpicoll.mesh("dev")
+    axes = (mpicoll.RANKS, "dev")
     over_ranks = mpicoll.fault_tolerant(jax.jit(jax.shard_map(
-        lambda x: jax.lax.psum(x, mpicoll.RANKS), mesh=mesh, in_specs=P(mpicoll.RANKS),
+        lambda x: jax.lax.psum(x, axes) / DEVICES, mesh=mesh, in_specs=P(axes),
         out_specs=P())))
     return comm, halves, jitted, over_ranks
 
@@ -62,7 +68,7 @@ while state.step < STEPS:
         want = sum(value(r, step) for r in alive)
         eager = mpicoll.allreduce(x)
         jit = jitted(x)
-        psum = over_ranks(x[None])
+        psum = over_ranks(jnp.broadcast_to(x, (DEVICES, 4)))
         mates = [r for i, r in enumerate(alive) if i % 2 == alive.index(ME) % 2]
         half = mpicoll.allreduce(x, comm=halves)
         for what, got, expected in (("eager", eager, want), ("jit", jit, want),
