@@ -233,6 +233,53 @@ def install_abort_on_error():
     threading.excepthook = thread_excepthook
 
 
+# Old jobs' flight records in the temporary directory (MPICOLL_FLIGHT_DIR unset):
+# kept for a week, and at most the newest 20 (docs/failures.md says the rule).
+FLIGHT_FOLDERS_KEPT, FLIGHT_FOLDER_DAYS = 20, 7
+
+
+def prune_flight_folders(root, now=None):
+    """Remove root's mpicoll-flight-<host>-<pid> folders older than FLIGHT_FOLDER_DAYS, and
+    beyond the FLIGHT_FOLDERS_KEPT newest, except those of a process still running on this
+    host; returns the paths removed.  Every rank may run it at once: a folder another
+    rank removed first is skipped."""
+    import glob
+    import shutil
+    import socket
+    import time
+
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    found = []
+    for path in glob.glob(os.path.join(root, "mpicoll-flight-*")):
+        try:
+            found.append((os.stat(path).st_mtime, path))
+        except OSError:
+            continue
+    found.sort(reverse=True)
+    removed = []
+    for index, (mtime, path) in enumerate(found):
+        if index < FLIGHT_FOLDERS_KEPT and now - mtime < FLIGHT_FOLDER_DAYS * 86400:
+            continue
+        name = os.path.basename(path)[len("mpicoll-flight-"):]
+        owner, _, pid = name.rpartition("-")
+        if owner == host and pid.isdigit() and _running(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: alive
+    return True
+
+
 def configure(settings):
     """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
@@ -244,6 +291,8 @@ def configure(settings):
     set_timeout(settings.timeout)
     set_stall_report(settings.stall_report)
     extension.set_flight(settings.flight_records, settings.flight_dir, tempfile.gettempdir())
+    if not settings.flight_dir:
+        prune_flight_folders(tempfile.gettempdir())
     _tracing.start_at_import(settings)
     # Registered after mpi4py's MPI_Finalize handler, so they run before it
     # (atexit runs the last registered first: the end notice, the timeline,
