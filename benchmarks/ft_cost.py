@@ -59,7 +59,8 @@ def measure():
 
 def launch(venv, ranks, ft, argv):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))
+           and k != "MPICOLL_MPIEXEC"}  # the Open MPI venv's own mpiexec
     env.update(MPICOLL_VENV=str(venv), MPICOLL_FT="1" if ft else "0",
                MPICOLL_LAUNCH_TIMEOUT="300")
     done = subprocess.run([str(REPO / "launch" / "mpirun.sh"), "-n", str(ranks),

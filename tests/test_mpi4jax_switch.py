@@ -40,10 +40,17 @@ def _env(**extra):
     return env
 
 
-@pytest.mark.parametrize("raw", ["", "0", "1", "yes", "off", " False ", "on", "2"])
+@pytest.mark.parametrize("raw", ["", "0", "1", "yes", "off", " False ", "on"])
 def test_the_switch_reads_the_variable_as_settings_do(raw):
     settings, _ = _settings.from_environment({switch.VARIABLE: raw})
     assert switch.enabled({switch.VARIABLE: raw}) is settings.as_mpi4jax
+
+
+def test_a_value_that_is_neither_on_nor_off_stops_the_import():
+    # The .pth file cannot raise at start-up (it would break every Python of the
+    # venv); `import mpicoll` refuses the value with the settings' rule.
+    with pytest.raises(ValueError, match="MPICOLL_AS_MPI4JAX='2' must be on"):
+        _settings.from_environment({switch.VARIABLE: "2"})
 
 
 @serial_only

