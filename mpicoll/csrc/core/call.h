@@ -3,7 +3,7 @@
 
 #include <mpi.h>
 
-#if defined(OPEN_MPI) && OPEN_MPI
+#if defined(OMPI_MAJOR_VERSION) && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's extensions: ULFM's MPIX_Comm_revoke where built with it
 #endif
 
