@@ -23,7 +23,8 @@
 #                           the TCP transport (its shared-memory one hangs the
 #                           survivors); refused for an MPI without it
 #   MPICOLL_MPIEXEC         an mpiexec to use instead of the venv's (a cluster's own)
-#   MPICOLL_LAUNCH_TIMEOUT  seconds; the job is terminated (then killed) after that,
+#   MPICOLL_LAUNCH_TIMEOUT  seconds (or 500ms, 10s, 10min, 2h, as mpicoll's settings);
+#                           the job is terminated (then killed) after that,
 #                           and the exit status is 124, so a deadlock cannot hang CI
 #   MPICOLL_LAUNCH_VERBOSE  1: print the final command line to stderr before running it
 #   MPICOLL_LAUNCH_TAG_OUTPUT  1: every line of output says which rank wrote it
@@ -146,8 +147,17 @@ esac
 
 command=("$mpiexec" ${flags[@]+"${flags[@]}"} "$@")
 if [ -n "${MPICOLL_LAUNCH_TIMEOUT:-}" ]; then
+    # mpicoll's duration spellings (docs/settings.md: 10, 2.5, 500ms, 10s, 10min, 2h)
+    # in coreutils timeout's (which reads 10m as minutes and has no ms).
+    limit=$(echo "$MPICOLL_LAUNCH_TIMEOUT" | tr 'A-Z' 'a-z' | tr -d ' ')
+    case $limit in
+        *ms) limit=$(awk -v v="${limit%ms}" 'BEGIN { print v / 1000 }') ;;
+        *min) limit=${limit%min}m ;;
+        *[0-9]|*s|*h) ;;
+        *) die "MPICOLL_LAUNCH_TIMEOUT=$MPICOLL_LAUNCH_TIMEOUT: seconds, or with ms, s, min or h" ;;
+    esac
     # TERM first, so mpiexec can take its ranks down; KILL 20 s later if it cannot.
-    command=(timeout --kill-after=20 "$MPICOLL_LAUNCH_TIMEOUT" "${command[@]}")
+    command=(timeout --kill-after=20 "$limit" "${command[@]}")
 fi
 if [ "${MPICOLL_LAUNCH_VERBOSE:-0}" = 1 ]; then
     echo "launch/mpirun.sh: [$flavor, $cores cores, ranks=${ranks:-?}]" \
