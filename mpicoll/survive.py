@@ -156,7 +156,7 @@ def fault_tolerant(function):
 class State:
     """The last committed training state, kept in memory to go back to after a lost rank.
 
-    commit(**values) keeps a copy (JAX arrays are immutable: their references;
+    ``commit(**values)`` keeps a copy (JAX arrays are immutable: their references;
     numpy arrays and other objects: a deep copy); restore() returns the last
     committed values, which are also attributes.  Replicated values
     (parameters, optimizer state) are the same on every survivor, so nothing
@@ -165,7 +165,7 @@ class State:
     Args:
         values: the state to start from, by name (parameters, step, ...).
     Returns:
-        The state; state.commit(**values), state.restore() -> dict.
+        The state; ``state.commit(**values)``, ``state.restore()`` -> dict.
     Example::
 
         state = mpicoll.State(params=params, step=0)
