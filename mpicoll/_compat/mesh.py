@@ -160,9 +160,14 @@ def devices_running_this_trace():
     return count
 
 
+_DEVICE_CONTEXT = getattr(_config, "device_context", None)  # jax 0.10's; gone in 0.12
+
+
 def context_mesh_set():
-    """Whether a mesh is in context (jax.set_mesh sets both kinds; either is enough)."""
-    return _config.device_context.value is not None and not _mesh.get_concrete_mesh().empty
+    """Whether a concrete mesh is in context (jax.set_mesh)."""
+    if _DEVICE_CONTEXT is not None and _DEVICE_CONTEXT.value is None:
+        return False  # the common case, in 0.1 us where jax has the config entry
+    return not _mesh.get_concrete_mesh().empty
 
 
 class no_context_mesh:
