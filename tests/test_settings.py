@@ -2,6 +2,7 @@
 and the one list of collectives and of reduction ops shared with the extension."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -198,9 +199,18 @@ def test_every_mpicoll_variable_the_repository_uses_is_known():
 
 
 @serial_only
+def _bare_environment(**variables):
+    """No MPICOLL_* variable but `variables`; what an MPI needs to start a singleton
+    (Open MPI reads HOME and, as root, its run-as-root pair)."""
+    env = {"PATH": "/usr/bin:/bin", **variables}
+    env.update({key: value for key, value in os.environ.items()
+                if key in ("HOME", "TMPDIR") or key.startswith("OMPI_ALLOW_RUN_AS_ROOT")})
+    return env
+
+
 def test_an_unknown_variable_warns_once_at_import_pointing_at_it():
     program = "import mpicoll\nimport mpicoll.runtime.settings\nimport mpicoll\n"
-    env = {"MPICOLL_TIMOUT": "10", "PATH": "/usr/bin:/bin"}
+    env = _bare_environment(MPICOLL_TIMOUT="10")
     run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -211,7 +221,7 @@ def test_an_unknown_variable_warns_once_at_import_pointing_at_it():
 
 @serial_only
 def test_a_bad_variable_stops_the_import():
-    env = {"MPICOLL_SPLIT_ALLREDUCE_BYTES": "lots", "PATH": "/usr/bin:/bin"}
+    env = _bare_environment(MPICOLL_SPLIT_ALLREDUCE_BYTES="lots")
     run = subprocess.run([sys.executable, "-c", "import mpicoll"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
