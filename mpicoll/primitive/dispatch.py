@@ -57,29 +57,24 @@ def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
     """The collective of an array laid out over several local devices (sharded.py):
     each device's shard, on its own communicator, inside one manual region."""
     info = comm_layer.resolve(comm, spec.name)
-    eager = _compat.at_top_level()
     # On CPU the per-device calls run on the devices' progress threads: no XLA
     # thread waits in MPI while the program's own collectives rendezvous.
-    overlapped = jax.default_backend() == "cpu" if eager else _on_cpu(x)
-    kwargs = dict(comm=info, root=root, op=op, transpose_sums=transpose_sums, static=static)
-    if not eager:
-        return sharded.run(spec.name, x, layout, functools.partial(
-            bind, spec, overlapped=overlapped, **kwargs), spec.family, eager=False)
-    key = (spec.name, layout.key(), info.slot, root, op, transpose_sums, static, overlapped)
+    call = functools.partial(bind, spec, overlapped=_on_cpu(x), comm=info, root=root, op=op,
+                             transpose_sums=transpose_sums, static=static)
+    if not _compat.at_top_level():
+        return sharded.run(spec.name, x, layout, call, spec.family)
+    key = (spec.name, layout.key(), info.slot, root, op, transpose_sums, static)
     try:
         program = _SHARDED_PROGRAMS.get(key)
     except TypeError:  # an unhashable op or static argument: not cached
         key, program = None, None
     if program is None:
-        call = functools.partial(bind, spec, overlapped=overlapped, **kwargs)
         program = jax.jit(functools.partial(sharded.run, spec.name, layout=layout, call=call,
-                                            family=spec.family, eager=False))
+                                            family=spec.family))
         if key is not None:
             _SHARDED_PROGRAMS[key] = program
-    sharded.check(spec.name, x, layout)
     after_pending_programs()
-    with _compat.no_context_mesh():
-        return run_eagerly(program, x)
+    return run_eagerly(program, x)  # outside any context mesh: the program names its mesh
 
 
 _SHARDED_PROGRAMS = {}
@@ -101,8 +96,7 @@ def on_each_device(fn, args, layout, out_specs):
         return region(*args)
     after_pending_programs()
     program = jax.jit(region)
-    with _compat.no_context_mesh():
-        return run_eagerly(lambda packed: program(*packed), tuple(args))
+    return run_eagerly(lambda packed: program(*packed), tuple(args))
 
 
 def per_device_overlap():
@@ -111,7 +105,7 @@ def per_device_overlap():
 
 
 def _on_cpu(x):
-    """Whether the traced x lives on CPU devices (the mesh's, else the default backend)."""
+    """Whether x lives on CPU devices (its mesh's, else the default backend's)."""
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     kind = getattr(mesh, "device_kind", None) or getattr(mesh, "_device_kind", None)
     if isinstance(kind, str):

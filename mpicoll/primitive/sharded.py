@@ -183,15 +183,11 @@ def check(name, x, layout):
             "so it must be whole on each device: shard another dimension, or none")
 
 
-def run(name, x, layout, call, family, eager):
+def run(name, x, layout, call, family):
     """The collective `call(shard)` of each device's shard, as one manual region over
-    layout.mesh; eager: compiled and run now (cached per layout and call)."""
+    layout.mesh (traced: dispatch.py jits it for an eager call)."""
     check(name, x, layout)
-    region_ = region(name, layout, family, call)
-    if not eager:
-        return region_(x)
-    with _compat.no_context_mesh():
-        return region_(x)
+    return region(name, layout, family, call)(x)
 
 
 def region(name, layout, family, call):
