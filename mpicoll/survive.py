@@ -98,24 +98,24 @@ def shrink():
     return survivors
 
 
-# Open MPI's MPI_Finalize can wait forever for a process that died (about 1 run in 6
+# Open MPI's MPI_Finalize can wait forever for a process that died (5 of 10 runs
 # under load, in ompi_mpi_finalize): after a survived failure the process ends this
 # long after its exit began, with its exit status, if finalizing has not ended it.
 FINALIZE_GRACE_S = 5.0
-_exit_status = [0]
+_exit_status = []  # [status] once the exit is guarded: sys.exit records it there
 
 
 def _guard_the_exit():
-    if _exit_status[0] is not None and getattr(sys.exit, "__wrapped__", None) is None:
-        plain_exit = sys.exit
+    if _exit_status:
+        return  # guarded at an earlier shrink
+    _exit_status.append(0)
+    plain_exit = sys.exit
 
-        def exit_recording(status=None):
-            _exit_status[0] = status if isinstance(status, int) else (
-                0 if status is None else 1)
-            plain_exit(status)
-        exit_recording.__wrapped__ = plain_exit
-        sys.exit = exit_recording
-        atexit.register(lambda: extension.exit_after(FINALIZE_GRACE_S, _exit_status[0]))
+    def exit_recording(status=None):
+        _exit_status[0] = status if isinstance(status, int) else 0 if status is None else 1
+        plain_exit(status)
+    sys.exit = exit_recording
+    atexit.register(lambda: extension.exit_after(FINALIZE_GRACE_S, _exit_status[0]))
 
 
 def fault_tolerant(function):
