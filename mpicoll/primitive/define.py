@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 
 from .. import _compat
 from ..runtime import native as _native, dtypes as _types
-from . import spec as _spec, varying as _typing
+from . import sharded, spec as _spec, varying as _typing
 
 
 class MPIEffect(_compat.Effect):
@@ -207,7 +207,6 @@ def _on_each_device(ctx, devices, primitive, spec, xs, params):
     manual region over the program's devices, each array replicated into it (XLA
     gathers a sharded one first) and split over the devices as sharded.py splits
     a replicated array: each byte crosses the network once per process."""
-    from . import sharded  # noqa: PLC0415 (sharded.py is above this module)
     mesh = jax.sharding.AbstractMesh((devices,), ("_mpicoll_devices",))
     if tuple(ctx.module_context.platforms) == ("cpu",):  # on the progress threads (sharded.py)
         params = dict(params, overlapped=True)
