@@ -114,16 +114,16 @@ def setup_with_chunk(chunk_bytes):
     """mpicoll-loop with the staging pipeline's chunk set to chunk_bytes (0: no pipeline)."""
     def setup(ctx, op, count):
         once, run, _ = registry.setup_jit(ctx, "mpicoll", op, count)
-        from mpicoll.runtime import native as _native
+        from mpicoll.runtime import native
 
         def with_chunk(fn):
             def wrapped(*args):
-                _native.extension.set_gpu_transport(False, chunk_bytes)
+                native.extension.set_gpu_transport(False, chunk_bytes)
                 try:
                     return fn(*args)
                 finally:
-                    _native.extension.set_gpu_transport(_native.GPU_TRANSPORT == "cuda-aware",
-                                                        _native.GPU_CHUNK_BYTES)
+                    native.extension.set_gpu_transport(native.GPU_TRANSPORT == "cuda-aware",
+                                                       native.GPU_CHUNK_BYTES)
             return wrapped
 
         return with_chunk(once), with_chunk(run), None
@@ -152,7 +152,7 @@ def main():
     from mpi4py import MPI
 
     import mpicoll
-    from mpicoll.runtime import native as _native
+    from mpicoll.runtime import native
 
     comm = MPI.COMM_WORLD
     ctx = registry.Context()
@@ -167,7 +167,7 @@ def main():
                              one_call_bytes=1 << 40)  # see the module docstring
     header = {"ranks": ctx.size, "device": str(jax.devices()[0].device_kind),
               "jax": jax.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-              "transport": _native.GPU_TRANSPORT, "chunk_bytes": _native.GPU_CHUNK_BYTES,
+              "transport": native.GPU_TRANSPORT, "chunk_bytes": native.GPU_CHUNK_BYTES,
               "mpi4jax": mpi4jax_info, "mpicoll": mpicoll.__version__}
     rows = []
     for op in args.ops:

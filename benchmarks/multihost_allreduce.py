@@ -50,8 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
-from mpicoll.runtime import settings as _settings  # noqa: E402
+from mpicoll.ops import ranks_devices  # noqa: E402
+from mpicoll.runtime import settings  # noqa: E402
 from mpicoll import topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -151,7 +151,7 @@ def measure_devices(report):
     }
     for name, (combine_bytes, split_bytes, step, across) in paths.items():
         rows = []
-        with _settings.override(local_combine_bytes=combine_bytes,
+        with settings.override(local_combine_bytes=combine_bytes,
                                split_allreduce_bytes=split_bytes):
             for nbytes in SIZES:
                 count, inner = nbytes // 4, inner_for(nbytes)
@@ -185,15 +185,15 @@ def main():
                   local_devices=jax.local_device_count(),
                   mpi=MPI.Get_library_version().splitlines()[0].strip(), jax=jax.__version__,
                   cores=os.cpu_count(),
-                  split_allreduce_bytes=_ranks_devices.split_allreduce_bytes(LOCAL),
-                  local_combine_bytes=_ranks_devices.local_combine_bytes(LOCAL),
+                  split_allreduce_bytes=ranks_devices.split_allreduce_bytes(LOCAL),
+                  local_combine_bytes=ranks_devices.local_combine_bytes(LOCAL),
                   load_before=os.getloadavg()[0])
     (measure_flat if args.mode == "flat" else measure_devices)(report)
     report["load_after"] = os.getloadavg()[0]
     if RANK == 0:
         path = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                            f"multihost-{args.mode}-{t.node_count}h"
-                            f"{'' if args.mode == 'flat' or LOCAL == 2 else f'-{LOCAL}d'}.json")
+                                           f"{'' if args.mode == 'flat' or LOCAL == 2 else f'-{LOCAL}d'}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
@@ -201,7 +201,7 @@ def main():
         for key, rows in report.items():
             if isinstance(rows, list):
                 print(f"{key:16s}", "  ".join(f"{n // KIB if n >= KIB else n}{'K' if n >= KIB else 'B'}:"
-                                               f"{t * 1e6:.1f}us" for n, t in rows), flush=True)
+                                              f"{t * 1e6:.1f}us" for n, t in rows), flush=True)
 
 
 if __name__ == "__main__":

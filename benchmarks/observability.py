@@ -27,7 +27,7 @@ from jax import lax
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.runtime import settings as _settings
+from mpicoll.runtime import settings
 from mpicoll.runtime.native import extension
 
 WORLD = MPI.COMM_WORLD
@@ -40,7 +40,7 @@ def calls_per_run(nbytes):
 
 
 def set_mode(mode, trace_dir):
-    flight = _settings.current().flight_dir
+    flight = settings.current().flight_dir
     extension.set_flight(0 if mode == "off" else 1000, flight, tempfile.gettempdir())
     extension.set_trace(trace_dir if mode == "timeline" else "")
 

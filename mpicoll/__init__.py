@@ -19,16 +19,18 @@ from .runtime.comm import default_comm  # noqa: E402
 from . import topology  # noqa: E402
 from .primitive.overlap import overlap  # noqa: E402
 from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
-from .observe import failures as _failures  # noqa: E402
 from .observe.tracing import start_trace, stop_trace, trace  # noqa: E402
 from .runtime.native import thread_mode  # noqa: E402
 from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink  # noqa: E402
-from .over_ranks import lax as _lax_over_ranks  # noqa: E402,F401  (jax.lax collectives over RANKS)
+from .over_ranks import lax  # noqa: E402  (importing it routes jax.lax collectives over RANKS)
+del lax  # mpicoll.over_ranks.lax, not a public mpicoll.lax
+# The subpackages, already mpicoll's attributes by the imports above.
+from . import _compat, observe, primitive  # noqa: E402
 
 # The settings the modules above do not apply themselves: abort on error, the
 # check mode and the timeout (autodiff and dispatch start from the settings in
 # primitive/varying.py and primitive/device_order.py).
-_failures.configure(_current_settings())
+observe.failures.configure(_current_settings())
 
 # XLA's CPU pool at two threads per local device where the cores are fewer
 # (unless the user set PJRT_NPROC, or JAX started its backends before this
@@ -36,13 +38,11 @@ _failures.configure(_current_settings())
 # the device part a collective waits for (primitive/device_order.py,
 # chain_safe; 2 ranks x 2 devices on 2 cores hung a gradient step in 1 of 2
 # runs, issue 43).
-from .primitive import device_order as _device_order  # noqa: E402
-_device_order.size_xla_cpu_pool(warn_if_late=True)
+primitive.device_order.size_xla_cpu_pool(warn_if_late=True)
 
 # Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
 # default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
-from . import _compat as _compat_for_tracebacks  # noqa: E402
-_compat_for_tracebacks.hide_frames_under(__path__[0])
+_compat.hide_frames_under(__path__[0])
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",

@@ -30,7 +30,7 @@ import jax
 from mpi4py import MPI
 
 from . import _compat, topology
-from .primitive import device_order as _device_order
+from .primitive import device_order
 
 _initialized = False
 
@@ -112,7 +112,7 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
         raise RuntimeError("mpicoll.distributed.initialize: JAX has already started its "
                            "backends (a JAX computation or jax.devices() ran, or an mpicoll "
                            "collective); call initialize() first, right after the imports")
-    _device_order.size_xla_cpu_pool()  # before the backends start (checked above)
+    device_order.size_xla_cpu_pool()  # before the backends start (checked above)
     where = topology.world()  # collective (the first time): on every rank
     if local_device_ids == "node-local-rank":
         local_device_ids = [where.local_rank]
@@ -127,8 +127,8 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                **jax_arguments)
     _initialized = True
     from .over_ranks import (
-        multihost as _multihost)  # noqa: PLC0415 -- imports mpicoll's collectives
-    _multihost.install()  # multihost_utils on MPI, not JAX's gloo
+        multihost)  # noqa: PLC0415 -- imports mpicoll's collectives
+    multihost.install()  # multihost_utils on MPI, not JAX's gloo
     # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
     # them: pending work completes, JAX shuts down, then MPI is finalized.
     atexit.register(_shutdown)

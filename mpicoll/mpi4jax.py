@@ -23,9 +23,9 @@ from jax.experimental import io_callback
 from mpi4py import MPI
 
 from ._compat import core as _compat_core
-from .runtime import native as _native, comm as comm_layer
-from .primitive import spec as _spec, varying as _typing, validate as _validate
-from .ops import collectives as api, p2p
+from .runtime import native, comm as comm_layer
+from .primitive import spec, varying, validate
+from .ops import collectives, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
 
@@ -36,7 +36,7 @@ def _mpi4jax_autodiff(function):
     program written for it expects that, so the adapter's calls follow it."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        with _typing.convention_autodiff():
+        with varying.convention_autodiff():
             return function(*args, **kwargs)
     return call
 
@@ -162,8 +162,8 @@ _RAISES_PEER = """TypeError: for a token= that is not None, a token of this modu
             not an intracommunicator."""
 
 
-_contract = _spec.documented({"comm": _COMM, "token": _TOKEN, "op": _OP, "raises": _RAISES,
-                              "raises_peer": _RAISES_PEER}, boundary=False)
+_contract = spec.documented({"comm": _COMM, "token": _TOKEN, "op": _OP, "raises": _RAISES,
+                             "raises_peer": _RAISES_PEER}, boundary=False)
 
 
 def has_cuda_support():
@@ -179,7 +179,7 @@ def has_cuda_support():
         if not mpi4jax.has_cuda_support():
             x = jax.device_put(x, jax.devices("cpu")[0])   # keep the data on the host
     """
-    return "cuda" in _native.PLATFORMS
+    return "cuda" in native.PLATFORMS
 
 
 def has_sycl_support():
@@ -217,7 +217,7 @@ def allreduce(x, op, *, comm=None, token=_NOTSET):
 
         mpi4jax.allreduce(jnp.array([rank + 1.0]), op=MPI.SUM)  # [3.] on both
     """
-    return api.allreduce(x, op, comm=comm)
+    return collectives.allreduce(x, op, comm=comm)
 
 
 @_contract
@@ -239,14 +239,14 @@ def allgather(x, *, comm=None, token=_NOTSET):
 
         mpi4jax.allgather(jnp.array(rank))   # [0, 1] on both
     """
-    return api.allgather(x, comm=comm)
+    return collectives.allgather(x, comm=comm)
 
 
 def _leading_axis_is_size(x, comm, name, what):
     """mpi4jax's own shape check: local to the rank that calls (as in mpi4jax, a
     rank that alone passes a wrong shape raises alone; mpicoll's checks, which
     every rank agrees on, run after it)."""
-    x = _validate.as_array(x, name)
+    x = validate.as_array(x, name)
     size = comm_layer.resolve(comm, name).size
     if x.ndim == 0 or x.shape[0] != size:
         raise ValueError(f"{what} input must have shape (nproc, ...) = ({size}, ...), "
@@ -276,7 +276,7 @@ def alltoall(x, *, comm=None, token=_NOTSET):
         mpi4jax.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
     """
     x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
-    return api.alltoall(x, comm=comm)
+    return collectives.alltoall(x, comm=comm)
 
 
 @_contract
@@ -296,7 +296,7 @@ def barrier(*, comm=None, token=_NOTSET):
 
         mpi4jax.barrier()
     """
-    api.barrier(comm=comm)
+    collectives.barrier(comm=comm)
 
 
 @_contract
@@ -319,7 +319,7 @@ def bcast(x, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.bcast(jnp.full(3, rank), root=1)   # [1, 1, 1] on both
     """
-    return api.bcast(x, root, comm=comm)
+    return collectives.bcast(x, root, comm=comm)
 
 
 @_contract
@@ -344,7 +344,7 @@ def gather(x, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.gather(jnp.array([rank]), root=0)  # rank 0: [[0], [1]]; rank 1: [1]
     """
-    gathered = api.gather(x, root, comm=comm)
+    gathered = collectives.gather(x, root, comm=comm)
     return gathered if _rank(comm, "gather") == root else x
 
 
@@ -370,7 +370,7 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
 
         mpi4jax.reduce(jnp.array([rank + 1.0]), op=MPI.SUM, root=0)  # rank 0: [3.]; rank 1: [2.]
     """
-    reduced = api.reduce(x, op, root, comm=comm)
+    reduced = collectives.reduce(x, op, root, comm=comm)
     return reduced if _rank(comm, "reduce") == root else x
 
 
@@ -404,9 +404,9 @@ def scatter(x, root, *, comm=None, token=_NOTSET):
         x = _leading_axis_is_size(x, comm, "scatter", "Scatter")
     else:
         # mpicoll's scatter takes (size, *s) everywhere; only root's content is read.
-        x = _validate.as_array(x, "scatter")
+        x = validate.as_array(x, "scatter")
         x = jnp.broadcast_to(x, (info.size, *x.shape))
-    return api.scatter(x, root, comm=comm)
+    return collectives.scatter(x, root, comm=comm)
 
 
 @_contract
@@ -429,7 +429,7 @@ def scan(x, op, *, comm=None, token=_NOTSET):
 
         mpi4jax.scan(jnp.array(rank + 1), op=MPI.SUM)   # rank 0: 1; rank 1: 3
     """
-    return api.scan(x, op, comm=comm)
+    return collectives.scan(x, op, comm=comm)
 
 
 @_contract
@@ -502,7 +502,7 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
         if rank == 1:
             x = mpi4jax.recv(jnp.zeros(3), source=0, status=status)   # status.Get_source() == 0
     """
-    x = _validate.as_array(x, "recv")
+    x = validate.as_array(x, "recv")
     if status is None:
         return p2p.recv(x, source, tag, comm=comm)
     out, received_from, received_tag = p2p.recv(x, source, tag, comm=comm, return_status=True)
@@ -541,7 +541,7 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
 
         left = mpi4jax.sendrecv(x, x, source=(rank - 1) % size, dest=(rank + 1) % size)
     """
-    recvbuf = _validate.as_array(recvbuf, "sendrecv")
+    recvbuf = validate.as_array(recvbuf, "sendrecv")
     result = p2p.sendrecv(sendbuf, source, dest, sendtag, recvtag, comm=comm, recv_like=recvbuf,
                           return_status=status is not None)
     if status is None:

@@ -27,8 +27,8 @@ import sys
 import jax
 from mpi4py import MPI
 
-from .primitive import dispatch as _dispatch
-from .runtime import comm as comm_layer, faults as _faults, settings as _settings
+from .primitive import dispatch
+from .runtime import comm as comm_layer, faults, settings
 from .runtime.faults import RankLost, lost_ranks  # noqa: F401  (public here)
 from .runtime.native import extension
 
@@ -53,7 +53,7 @@ def can_survive():
 def _launched_fault_tolerant():
     # launch/mpirun.sh sets MPICOLL_FT=1; Open MPI's mpiexec --with-ft ulfm, given
     # by hand, sets the MCA variable in its ranks' environment.
-    return _settings.current().ft or \
+    return settings.current().ft or \
         os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true")
 
 
@@ -93,7 +93,7 @@ def shrink():
     extension.fault_recovered()  # the next failure revokes every communicator again
     _guard_the_exit()
     comm_layer.set_default(survivors)
-    _dispatch.forget_programs()
+    dispatch.forget_programs()
     jax.clear_caches()
     return survivors
 
@@ -143,7 +143,7 @@ def fault_tolerant(function):
             out = function(*args, **kwargs)
             return jax.block_until_ready(out)
         except (jax.errors.JaxRuntimeError, ValueError) as error:
-            lost = _faults.as_rank_lost(error)
+            lost = faults.as_rank_lost(error)
             if lost is None:
                 raise
             raise lost from error

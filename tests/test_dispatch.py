@@ -22,7 +22,7 @@ from jax._src.interpreters import pxla
 
 import mpicoll
 from mpicoll import _compat
-from mpicoll.primitive import device_order as _device_order, define as _primitive
+from mpicoll.primitive import device_order, define
 from conftest import (RANK, SIZE, WORLD, all_ranks_data, assert_in_step, assert_same,
                       run_mpiexec, serial_only)
 
@@ -52,7 +52,7 @@ def python_path_calls(monkeypatch):
 
 
 def test_device_order_is_the_default_on_this_jax():
-    assert _device_order.DEVICE_ORDER_AVAILABLE, "JAX's internals changed: device order is off"
+    assert device_order.DEVICE_ORDER_AVAILABLE, "JAX's internals changed: device order is off"
     assert mpicoll.dispatch_mode() == "device-order"
 
 
@@ -78,7 +78,7 @@ def test_program_takes_a_runtime_token_only_in_tokens_mode(dispatch):
 
 @pytest.mark.parametrize("dispatch", ["device-order", "tokens"], indirect=True)
 def test_repeated_calls_skip_jax_python_dispatch_only_in_device_order(dispatch,
-                                                                     python_path_calls):
+                                                                      python_path_calls):
     def fused_step(xs):
         return [x + 1 for x in mpicoll.allreduce(xs)]
 
@@ -110,10 +110,10 @@ def test_hooks_are_not_installed_where_jax_internals_differ(monkeypatch):
     (and programs keep JAX's runtime tokens)."""
     hooks = _compat.dispatch_hooks
     monkeypatch.setattr(hooks, "_lowering_argument_positions", lambda: None)
-    assert not _device_order.DeviceOrderDispatch(_primitive.MPIEffect).install()
+    assert not device_order.DeviceOrderDispatch(define.MPIEffect).install()
     monkeypatch.undo()
     monkeypatch.setattr(hooks._pxla, "_cached_lowering_to_hlo", None)
-    assert not _device_order.DeviceOrderDispatch(_primitive.MPIEffect).install()
+    assert not device_order.DeviceOrderDispatch(define.MPIEffect).install()
 
 
 @pytest.mark.parametrize("dispatch", ["device-order", "tokens"], indirect=True)
@@ -194,19 +194,19 @@ def test_xla_cpu_pool_size_is_read_as_xla_reads_it(monkeypatch):
     their token in the module only with two pool threads per CPU device."""
     monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.setenv("PJRT_NPROC", "7")
-    assert _device_order.xla_cpu_pool_threads() == 7
+    assert device_order.xla_cpu_pool_threads() == 7
     monkeypatch.setenv("PJRT_NPROC", "seven")
     monkeypatch.setenv("NPROC", "5")
-    assert _device_order.xla_cpu_pool_threads() == 5
+    assert device_order.xla_cpu_pool_threads() == 5
     monkeypatch.delenv("PJRT_NPROC")
     monkeypatch.delenv("NPROC")
-    assert _device_order.xla_cpu_pool_threads() == max(len(os.sched_getaffinity(0)),
-                                                       len(jax.local_devices(backend="cpu")))
+    assert device_order.xla_cpu_pool_threads() == max(len(os.sched_getaffinity(0)),
+                                                      len(jax.local_devices(backend="cpu")))
     devices = len(jax.local_devices(backend="cpu"))
     monkeypatch.setenv("PJRT_NPROC", str(2 * devices - 1))
-    assert not _device_order.chain_safe()
+    assert not device_order.chain_safe()
     monkeypatch.setenv("PJRT_NPROC", str(2 * devices))
-    assert _device_order.chain_safe()
+    assert device_order.chain_safe()
 
 
 def test_xla_cpu_pool_is_sized_for_the_devices_asked_for(monkeypatch):
@@ -214,20 +214,20 @@ def test_xla_cpu_pool_is_sized_for_the_devices_asked_for(monkeypatch):
     are fewer; a PJRT_NPROC or NPROC of the user's is kept."""
     monkeypatch.setattr(_compat, "backends_initialized", lambda: False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(_device_order, "_pool_we_set", "")
+    monkeypatch.setattr(device_order, "_pool_we_set", "")
     monkeypatch.delenv("PJRT_NPROC", raising=False)
     monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
-    _device_order.size_xla_cpu_pool()
+    device_order.size_xla_cpu_pool()
     assert os.environ["PJRT_NPROC"] == "6"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=5")
-    _device_order.size_xla_cpu_pool()  # asked for again (mpicoll.distributed.initialize)
+    device_order.size_xla_cpu_pool()  # asked for again (mpicoll.distributed.initialize)
     assert os.environ["PJRT_NPROC"] == "10"
     monkeypatch.setenv("PJRT_NPROC", "3")  # the user's
-    _device_order.size_xla_cpu_pool()
+    device_order.size_xla_cpu_pool()
     assert os.environ["PJRT_NPROC"] == "3"
     monkeypatch.delenv("PJRT_NPROC")
-    monkeypatch.setattr(_device_order, "_pool_we_set", "")
+    monkeypatch.setattr(device_order, "_pool_we_set", "")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    _device_order.size_xla_cpu_pool()  # one device: the pool is XLA's
+    device_order.size_xla_cpu_pool()  # one device: the pool is XLA's
     assert "PJRT_NPROC" not in os.environ

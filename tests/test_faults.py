@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import RANK, WORLD, assert_in_step, run_mpiexec, serial_only
-from mpicoll.primitive import spec as _spec
+from mpicoll.primitive import spec
 from mpicoll.runtime import comm as comm_layer
 
 PROGRAMS = Path(__file__).parent / "programs"
@@ -269,7 +269,7 @@ def test_mpi_error_is_raised_naming_op_rank_comm_and_mpi_error():
     solver.Set_name("solver")
     try:
         info = comm_layer.resolve(solver, "test")
-        bad = jax.jit(lambda x: _spec.SPECS["bcast"].primitive.bind(
+        bad = jax.jit(lambda x: spec.SPECS["bcast"].primitive.bind(
             x, comm=info.slot, size=info.size, root=info.size + 3, op=-1, transpose_sums=False,
             ordered=True, alias=True))
         with pytest.raises(Exception) as caught:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.primitive import dispatch as _dispatch
+from mpicoll.primitive import dispatch
 from conftest import (COLLECTIVES, RANK, REDUCING, SIZE, STACKED_INPUT, assert_same, call,
                       expected, input_shape, rank_data)
 
@@ -22,11 +22,11 @@ from conftest import (COLLECTIVES, RANK, REDUCING, SIZE, STACKED_INPUT, assert_s
 @pytest.fixture
 def small_fusion_limits(monkeypatch):
     """Buckets of at most 96 bytes; leaves above 64 bytes go alone."""
-    monkeypatch.setattr(_dispatch, "FUSION_BYTES", 96)
-    monkeypatch.setattr(_dispatch, "FUSION_LEAF_BYTES", 64)
-    _dispatch._fused_program.cache_clear()  # programs are traced with the limits of the time
+    monkeypatch.setattr(dispatch, "FUSION_BYTES", 96)
+    monkeypatch.setattr(dispatch, "FUSION_LEAF_BYTES", 64)
+    dispatch._fused_program.cache_clear()  # programs are traced with the limits of the time
     yield
-    _dispatch._fused_program.cache_clear()
+    dispatch._fused_program.cache_clear()
 
 
 # (shape, dtype) of each leaf; with the limits above the float32 leaves form
@@ -38,7 +38,7 @@ LEAVES = [((3, 2), np.float32), ((), np.float32), ((5,), np.int32), ((40,), np.f
 
 def test_grouping_under_the_small_limits(small_fusion_limits):
     leaves = [np.zeros(shape, dtype) for shape, dtype in LEAVES]
-    assert _dispatch.messages(leaves) == [[0, 1, 4, 5], [2], [3], [6], [7]]
+    assert dispatch.messages(leaves) == [[0, 1, 4, 5], [2], [3], [6], [7]]
 
 
 def _stacks(name, seed, size=SIZE):

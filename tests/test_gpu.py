@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.runtime import native as _native
+from mpicoll.runtime import native
 from conftest import (COLLECTIVES, RANK, REPRESENTATIVE_DTYPES, ROOTED, SIZE, all_ranks_data,
                       assert_same, call, expected, input_shape, maybe_jit, reduce_reference)
 
@@ -48,16 +48,16 @@ def assert_on_gpu(out):
 @contextlib.contextmanager
 def staging_chunk(chunk_bytes):
     """Run the block with the staged transport and this pipeline chunk size."""
-    _native.extension.set_gpu_transport(False, chunk_bytes)
+    native.extension.set_gpu_transport(False, chunk_bytes)
     try:
         yield
     finally:
-        _native.extension.set_gpu_transport(_native.GPU_TRANSPORT == "cuda-aware",
-                                            _native.GPU_CHUNK_BYTES)
+        native.extension.set_gpu_transport(native.GPU_TRANSPORT == "cuda-aware",
+                                           native.GPU_CHUNK_BYTES)
 
 
 def test_build_has_cuda_handlers():
-    assert "cuda" in _native.PLATFORMS, "a GPU is present but mpicoll was built without CUDA"
+    assert "cuda" in native.PLATFORMS, "a GPU is present but mpicoll was built without CUDA"
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])

@@ -193,8 +193,8 @@ def test_info_shows_every_setting_and_where_it_came_from():
     assert "MPICOLL_TIMOUT is not a variable mpicoll reads" in result.stderr
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in lines[:-1]}
     import dataclasses
-    from mpicoll.runtime import settings as _settings
-    assert set(rows) == {f.name for f in dataclasses.fields(_settings.Settings)}
+    from mpicoll.runtime import settings
+    assert set(rows) == {f.name for f in dataclasses.fields(settings.Settings)}
     assert rows["check"] == ["every-call", "MPICOLL_CHECK=1"]
     assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4KiB"]
     assert rows["timeout"] == ["600.0", "default"]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.runtime import native as _native
-from mpicoll.primitive import define as _primitive
+from mpicoll.runtime import native
+from mpicoll.primitive import define
 from conftest import COLLECTIVES, SIZE, call, input_shape
 
 
@@ -53,11 +53,11 @@ def test_barrier_global_ops_and_ordering_lower(platform):
     assert custom_calls(global_sum) == ["mpicoll_allreduce"]
 
 
-@pytest.mark.skipif("cuda" in _native.PLATFORMS,
+@pytest.mark.skipif("cuda" in native.PLATFORMS,
                     reason="this build has cuda handlers (the message is for builds without)")
 def test_cpu_only_build_on_a_gpu_says_how_to_rebuild(monkeypatch):
     # Stand in for a process that has a CUDA backend, with a CPU-only build.
-    monkeypatch.setattr(_primitive, "_backend_present", lambda platform: True)
+    monkeypatch.setattr(define, "_backend_present", lambda platform: True)
     with pytest.raises(NotImplementedError, match=r"mpicoll\.allreduce: .*MPICOLL_CUDA=1"):
         lowered_text(mpicoll.allreduce, jnp.ones(3, jnp.float32), platform="cuda")
 

@@ -19,7 +19,7 @@ import pytest
 
 import _mpicoll_as_mpi4jax as switch
 from conftest import MPIEXEC, REPO, run_mpiexec, serial_only
-from mpicoll.runtime import settings as _settings
+from mpicoll.runtime import settings
 
 PROGRAM = REPO / "tests" / "programs" / "mpi4jax_tokens.py"
 MPIRUN = REPO / "launch" / "mpirun.sh"
@@ -42,15 +42,15 @@ def _env(**extra):
 
 @pytest.mark.parametrize("raw", ["", "0", "1", "yes", "off", " False ", "on"])
 def test_the_switch_reads_the_variable_as_settings_do(raw):
-    settings, _ = _settings.from_environment({switch.VARIABLE: raw})
-    assert switch.enabled({switch.VARIABLE: raw}) is settings.as_mpi4jax
+    values, _ = settings.from_environment({switch.VARIABLE: raw})
+    assert switch.enabled({switch.VARIABLE: raw}) is values.as_mpi4jax
 
 
 def test_a_value_that_is_neither_on_nor_off_stops_the_import():
     # The .pth file cannot raise at start-up (it would break every Python of the
     # venv); `import mpicoll` refuses the value with the settings' rule.
     with pytest.raises(ValueError, match="MPICOLL_AS_MPI4JAX='2' must be on"):
-        _settings.from_environment({switch.VARIABLE: "2"})
+        settings.from_environment({switch.VARIABLE: "2"})
 
 
 @serial_only

@@ -15,7 +15,7 @@ import pytest
 
 import mpicoll
 from conftest import _LAUNCHER_PREFIXES
-from mpicoll.observe import records as _records, timeline as _timeline
+from mpicoll.observe import records, timeline
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
 # What Open MPI's mpirun gives its ranks (OMPI_MCA_ess=^singleton among them): a process
@@ -115,7 +115,7 @@ def test_local_devices_that_did_not_meet_are_not_a_skipped_collective(tmp_path):
            + _meetings(0, 6, 0, running=6) + _meetings(0, 6, 1, running=6), size=2)
     _write(tmp_path, 1, _allreduces(1, 5, members="0,1")
            + _meetings(1, 6, 0, running=6) + _meetings(1, 5, 1), size=2)
-    text, diverged = _records.flight_report(_records.load(tmp_path))
+    text, diverged = records.flight_report(records.load(tmp_path))
     assert diverged, text
     assert "  rank 1 has not reached sequence 6 (its last: sequence 5, allreduce(float32[4]) " \
         "at job.py:5; its local devices did not meet: below)\n" in text, text
@@ -128,7 +128,7 @@ def test_local_devices_that_did_not_meet_are_not_a_skipped_collective(tmp_path):
     assert text.endswith("the ranks did not skip a collective: the local devices of rank 1 "
                          "did not meet (above)"), text
     assert [(u.rank, [r.device for r in u.waiting], list(u.absent))
-            for u in _records.unmet_meetings(_records.load(tmp_path))] == [(1, [0], [1])]
+            for u in records.unmet_meetings(records.load(tmp_path))] == [(1, [0], [1])]
 
 
 def test_a_rank_whose_devices_all_skipped_a_meeting_skipped_a_collective(tmp_path):
@@ -137,8 +137,8 @@ def test_a_rank_whose_devices_all_skipped_a_meeting_skipped_a_collective(tmp_pat
            + _meetings(0, 6, 0, running=6) + _meetings(0, 6, 1, running=6), size=2)
     _write(tmp_path, 1, _allreduces(1, 5, members="0,1")
            + _meetings(1, 5, 0) + _meetings(1, 5, 1), size=2)
-    text, diverged = _records.flight_report(_records.load(tmp_path))
-    assert diverged and not _records.unmet_meetings(_records.load(tmp_path)), text
+    text, diverged = records.flight_report(records.load(tmp_path))
+    assert diverged and not records.unmet_meetings(records.load(tmp_path)), text
     assert "did not meet" not in text, text
     assert text.endswith("the ranks diverge on 1 of 1 communicator (above)"), text
 
@@ -147,10 +147,10 @@ def test_a_rank_without_a_file_is_a_divergence(tmp_path):
     # Rank 1 finished its script (it wrote nothing) while ranks 0 and 2 wait in sequence 6.
     for rank in (0, 2):
         _write(tmp_path, rank, _allreduces(rank, 6, running=6))
-    files = _records.load(tmp_path)
-    [stream] = _records.divergences(files)
+    files = records.load(tmp_path)
+    [stream] = records.divergences(files)
     assert stream.no_file == [1] and not stream.behind and stream.top == 6
-    text, diverged = _records.flight_report(files)
+    text, diverged = records.flight_report(files)
     assert diverged, text
     assert "flight records of 2 of 3 ranks" in text
     assert "  rank 0 (node0): 6 records, written for: test\n" \
@@ -171,7 +171,7 @@ def test_a_rank_with_a_file_but_no_record_on_a_communicator_has_not_reached_it(t
         if rank != 2:
             events.append(_event(rank, 1, "allgather(float32[4])", 3 * 10**9, None, comm=split))
         _write(tmp_path, rank, events)
-    text, diverged = _records.flight_report(_records.load(tmp_path))
+    text, diverged = records.flight_report(records.load(tmp_path))
     assert diverged
     assert "comm7, local device 0 (ranks 0,1,2): the ranks diverge\n" \
         "  rank 2 has not reached sequence 1 (none of the 2 records it kept is on this " \
@@ -206,7 +206,7 @@ def test_a_multi_line_reason_is_printed_under_its_rank(tmp_path):
     for rank in range(2):
         _write(tmp_path, rank, _allreduces(rank, 5, members="0,1"), size=2,
                reason=report if rank == 0 else "asked by rank 0")
-    text, diverged = _records.flight_report(_records.load(tmp_path))
+    text, diverged = records.flight_report(records.load(tmp_path))
     assert not diverged, text
     assert "  rank 0 (node0): 5 records, written for:\n" \
         "      mpicoll: the ranks diverge on MPI_COMM_WORLD\n" \
@@ -230,13 +230,13 @@ def test_the_first_sequence_where_calls_differ_or_a_rank_is_missing_is_named(tmp
         data = json.loads((tmp_path / f"rank{rank}.json").read_text())
         data["traceEvents"] += events
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(data))
-    found = {d.comm: d for d in _records.divergences(_records.load(tmp_path))}
+    found = {d.comm: d for d in records.divergences(records.load(tmp_path))}
     assert found[WORLD].differ_at == 3 and not found[WORLD].behind
     assert {r: c.call for r, c in found[WORLD].calls.items()} == {
         0: "allreduce(float32[4])", 1: "allgather(float32[4])", 2: "allreduce(float32[4])"}
     assert found[split].differ_at is None and found[split].top == 2
     assert found[split].behind[2].sequence == 1
-    text, diverged = _records.flight_report(_records.load(tmp_path))
+    text, diverged = records.flight_report(records.load(tmp_path))
     assert diverged
     assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks diverge\n" \
         "  at sequence 3 they called different collectives (they agree up to 2):\n" in text
@@ -249,10 +249,10 @@ def test_the_first_sequence_where_calls_differ_or_a_rank_is_missing_is_named(tmp
 
 def test_a_directory_without_dumps_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no rank<r>.json files"):
-        _records.load(tmp_path)
+        records.load(tmp_path)
     (tmp_path / "rank0.json").write_text("{}")
     with pytest.raises(ValueError, match="not an mpicoll record file"):
-        _records.load(tmp_path)
+        records.load(tmp_path)
 
 
 def test_the_merge_puts_every_rank_on_rank_0s_clock_and_splits_wait_from_transfer(tmp_path):
@@ -265,14 +265,14 @@ def test_the_merge_puts_every_rank_on_rank_0s_clock_and_splits_wait_from_transfe
                 for s in (1, 2)]
     _write(tmp_path, 0, calls(0, 10_000_000, 0), size=2)
     _write(tmp_path, 1, calls(1, 12_000_000, 5_000_000), offset=5_000_000, size=2)
-    files = _records.load(tmp_path)
-    spans = {(s.rank, s.sequence): s for s in _timeline.spans(files)}
+    files = records.load(tmp_path)
+    spans = {(s.rank, s.sequence): s for s in timeline.spans(files)}
     assert spans[0, 2].wait_ns == 2_000_000 and spans[0, 2].transfer_ns == 500_000
     assert spans[1, 2].wait_ns == 0 and spans[1, 2].transfer_ns == 500_000
     assert spans[0, 1].warm_up and spans[1, 1].warm_up and not spans[0, 2].warm_up
-    assert _timeline.totals(spans.values()) == {0: (1, 2_000_000, 500_000, 0),
-                                                1: (1, 0, 500_000, 1)}
-    summary = _timeline.write_merged(str(tmp_path))
+    assert timeline.totals(spans.values()) == {0: (1, 2_000_000, 500_000, 0),
+                                               1: (1, 0, 500_000, 1)}
+    summary = timeline.write_merged(str(tmp_path))
     assert "the straggler: rank 1 (it waited least, 0.000 ms, and arrived last 1 times" \
         in summary, summary
     assert "2 of them left out below: the first call of their call site" in summary, summary
@@ -308,15 +308,15 @@ def _balanced_after_a_slow_compile(directory, ranks, calls=20, trace_skip=0):
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_slow_compile_on_one_rank_names_no_straggler(tmp_path, ranks):
     _balanced_after_a_slow_compile(tmp_path, ranks)
-    summary = _timeline.write_merged(str(tmp_path))
+    summary = timeline.write_merged(str(tmp_path))
     assert "no straggler" in summary and "the straggler" not in summary, summary
     assert f"{ranks} of them left out below" in summary, summary
-    files = _records.load(tmp_path)
+    files = records.load(tmp_path)
     assert all(wait < 1_000_000 for _, wait, _, _ in
-               _timeline.totals(_timeline.spans(files)).values())
+               timeline.totals(timeline.spans(files)).values())
     # Counted (--all), the others waited 300 ms for the slow compiler, whom the old
     # verdict (the least wait, whatever the others' waits) named the straggler.
-    every = _timeline.totals(_timeline.spans(files, warm_up=False))
+    every = timeline.totals(timeline.spans(files, warm_up=False))
     assert all(every[r][1] >= 300_000_000 for r in range(ranks - 1)), every
     assert min(every, key=lambda r: every[r][1]) == ranks - 1
 
@@ -324,9 +324,9 @@ def test_a_slow_compile_on_one_rank_names_no_straggler(tmp_path, ranks):
 def test_a_trace_that_skipped_warm_up_is_counted_whole(tmp_path):
     # Recorded with a skip, the files hold no compile: their first calls count.
     _balanced_after_a_slow_compile(tmp_path, 2, trace_skip=1)
-    files = _records.load(tmp_path)
+    files = records.load(tmp_path)
     assert files[0].trace_skip == 1
-    assert not any(s.warm_up for s in _timeline.spans(files))
+    assert not any(s.warm_up for s in timeline.spans(files))
 
 
 def test_a_straggler_after_warm_up_is_named(tmp_path):
@@ -337,7 +337,7 @@ def test_a_straggler_after_warm_up_is_named(tmp_path):
                          site="job.py:9")
                   for s in range(1, 11)]
         _write(tmp_path, rank, events)
-    summary = _timeline.write_merged(str(tmp_path))
+    summary = timeline.write_merged(str(tmp_path))
     assert "the straggler: rank 2 (it waited least, 0.000 ms, and arrived last 9 times; the " \
         "others waited 45.000 ms each on average" in summary, summary
 
@@ -354,16 +354,16 @@ def test_a_running_program_traces_between_start_and_stop(tmp_path):
             mpicoll.start_trace(tmp_path / "two")
         for _ in range(3):
             step(jnp.ones(4))
-    records = _records.load(tmp_path / "one")[0].records
-    assert [r.op for r in records] == ["allreduce"] * 3
-    assert len({r.sequence for r in records}) == 3
+    calls = records.load(tmp_path / "one")[0].records
+    assert [r.op for r in calls] == ["allreduce"] * 3
+    assert len({r.sequence for r in calls}) == 3
     mpicoll.start_trace(tmp_path / "two", skip=2)
     for _ in range(3):
         step(jnp.ones(4))
     # (under the multi-rank suite each rank traces to its own tmp_path)
     from mpi4py import MPI
     assert mpicoll.stop_trace() == str(tmp_path / "two" / f"rank{MPI.COMM_WORLD.Get_rank()}.json")
-    assert len(_records.load(tmp_path / "two")[0].records) == 1
+    assert len(records.load(tmp_path / "two")[0].records) == 1
     with pytest.raises(ValueError, match="skip must be a whole number"):
         mpicoll.start_trace(tmp_path / "three", skip=-1)
     with pytest.raises(ValueError, match="cannot write there"):

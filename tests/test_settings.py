@@ -9,23 +9,23 @@ import sys
 import pytest
 
 import mpicoll
-from mpicoll.ops import ranks_devices as _ranks_devices
-from mpicoll.runtime import settings as _settings, dtypes as _types
-from mpicoll.primitive import spec as _spec
+from mpicoll.ops import ranks_devices
+from mpicoll.runtime import settings, dtypes
+from mpicoll.primitive import spec
 from mpicoll.runtime.native import extension
 from conftest import serial_only
 
 
 def test_defaults_when_nothing_is_set():
-    settings, sources = _settings.from_environment({})
-    assert settings == _settings.Settings()
-    assert settings.check == "first-run" and settings.timeout == 600
-    assert settings.stall_report == 60
-    assert settings.local_combine_bytes == 1 << 20
-    assert settings.split_allreduce_bytes == 256 << 10
+    values, sources = settings.from_environment({})
+    assert values == settings.Settings()
+    assert values.check == "first-run" and values.timeout == 600
+    assert values.stall_report == 60
+    assert values.local_combine_bytes == 1 << 20
+    assert values.split_allreduce_bytes == 256 << 10
     # The flight records go to a folder of the job's own in the temporary directory
     # (the extension names it), never into the working directory.
-    assert settings.flight_dir == ""
+    assert values.flight_dir == ""
     assert set(sources.values()) == {"default"}
 
 
@@ -50,10 +50,10 @@ def test_defaults_when_nothing_is_set():
     ("MPICOLL_FLIGHT_DIR", "/tmp/flight-here", "flight_dir", "/tmp/flight-here"),
 ])
 def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
-    settings, sources = _settings.from_environment({variable: raw})
-    assert getattr(settings, field) == value
+    values, sources = settings.from_environment({variable: raw})
+    assert getattr(values, field) == value
     assert sources[field] == f"{variable}={raw.strip()}"
-    others = {f.name for f in dataclasses.fields(settings)} - {field}
+    others = {f.name for f in dataclasses.fields(values)} - {field}
     assert all(sources[name] == "default" for name in others)
 
 
@@ -75,7 +75,7 @@ def test_each_variable_sets_its_field_and_says_so(variable, raw, field, value):
 ])
 def test_a_bad_value_names_its_variable(variable, raw, message):
     with pytest.raises(ValueError, match=message):
-        _settings.from_environment({variable: raw})
+        settings.from_environment({variable: raw})
 
 
 # Issue 46: a value outside a setting's spellings is refused, never read as another
@@ -83,7 +83,7 @@ def test_a_bad_value_names_its_variable(variable, raw, message):
 @pytest.mark.parametrize("raw", ["none", "always", "never", "2", "every", "firstrun", "yes please"])
 def test_an_unknown_check_mode_is_refused_with_the_valid_ones(raw):
     with pytest.raises(ValueError) as caught:
-        _settings.from_environment({"MPICOLL_CHECK": raw})
+        settings.from_environment({"MPICOLL_CHECK": raw})
     assert str(caught.value) == (
         f"MPICOLL_CHECK={raw!r} must be one of: off (0, false, no), first-run (first), "
         "every-call (all, 1, true, yes, on)")
@@ -94,7 +94,7 @@ def test_an_unknown_check_mode_is_refused_with_the_valid_ones(raw):
 def test_an_on_off_setting_takes_the_on_off_spellings_only(variable, raw):
     with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be on \(1, true, yes, on\) "
                                          r"or off \(0, false, no, off\)$"):
-        _settings.from_environment({variable: raw})
+        settings.from_environment({variable: raw})
 
 
 _ON_OFF = {"1": True, "TRUE": True, "yes": True, "On": True,
@@ -103,10 +103,10 @@ _ON_OFF = {"1": True, "TRUE": True, "yes": True, "On": True,
 
 @pytest.mark.parametrize("raw, on", _ON_OFF.items())
 def test_every_on_off_setting_reads_the_same_spellings(raw, on):
-    settings, _ = _settings.from_environment({"MPICOLL_ABORT_ON_ERROR": raw,
-                                              "MPICOLL_AS_MPI4JAX": raw, "MPICOLL_CHECK": raw})
-    assert settings.abort_on_error is on and settings.as_mpi4jax is on
-    assert settings.check == ("every-call" if on else "off")
+    values, _ = settings.from_environment({"MPICOLL_ABORT_ON_ERROR": raw,
+                                           "MPICOLL_AS_MPI4JAX": raw, "MPICOLL_CHECK": raw})
+    assert values.abort_on_error is on and values.as_mpi4jax is on
+    assert values.check == ("every-call" if on else "off")
 
 
 # One rule for every duration: seconds alone, or with ms, s, min or h.
@@ -118,14 +118,14 @@ _DURATIONS = {"10": 10.0, "10s": 10.0, "10min": 600.0, "2.5": 2.5, "250ms": 0.25
                                              ("MPICOLL_STALL_REPORT", "stall_report")])
 def test_every_duration_setting_reads_the_same_spellings(variable, field):
     for raw, seconds in _DURATIONS.items():
-        settings, sources = _settings.from_environment({variable: raw})
-        assert getattr(settings, field) == pytest.approx(seconds), raw
+        values, sources = settings.from_environment({variable: raw})
+        assert getattr(values, field) == pytest.approx(seconds), raw
         assert sources[field] == f"{variable}={raw.strip()}"
     for raw in ("10m", "10 minutes", "1e3", "inf", "nan", "10sec", "5d", "1:30", "-2s"):
         with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a duration >= 0: "
                                              r"seconds \(10, 2\.5\) or with a unit "
                                              r"\(500ms, 10s, 10min, 2h\)$"):
-            _settings.from_environment({variable: raw})
+            settings.from_environment({variable: raw})
 
 
 @pytest.mark.parametrize("variable, field", [("MPICOLL_GPU_CHUNK_BYTES", "gpu_chunk_bytes"),
@@ -135,20 +135,20 @@ def test_every_duration_setting_reads_the_same_spellings(variable, field):
 def test_every_size_setting_reads_the_same_spellings(variable, field):
     for raw, size in {"4194304": 4 << 20, "4MiB": 4 << 20, "4096kib": 4 << 20, "1GiB": 1 << 30,
                       "0": 0, "512B": 512}.items():
-        assert getattr(_settings.from_environment({variable: raw})[0], field) == size, raw
+        assert getattr(settings.from_environment({variable: raw})[0], field) == size, raw
     for raw in ("4MB", "4M", "1.5MiB", "lots", "-1"):
         with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a size >= 0"):
-            _settings.from_environment({variable: raw})
+            settings.from_environment({variable: raw})
 
 
 @pytest.mark.parametrize("variable", ["MPICOLL_FLIGHT_RECORDS", "MPICOLL_GATHER_PIECES",
                                       "MPICOLL_TRACE_SKIP"])
 def test_every_count_setting_reads_the_same_spellings(variable):
-    field = next(f for f, (v, _) in _settings._VARIABLES.items() if v == variable)
-    assert getattr(_settings.from_environment({variable: "12"})[0], field) == 12
+    field = next(f for f, (v, _) in settings._VARIABLES.items() if v == variable)
+    assert getattr(settings.from_environment({variable: "12"})[0], field) == 12
     for raw in ("1.0", "1e3", "-1", "ten", "10s"):
         with pytest.raises(ValueError, match=rf"^{variable}='{raw}' must be a whole number >= 0$"):
-            _settings.from_environment({variable: raw})
+            settings.from_environment({variable: raw})
 
 
 # Misspellings on purpose, in these tests and in docs/settings.md.
@@ -156,13 +156,13 @@ _MISSPELT = {"MPICOLL_TIMOUT", "MPICOLL_STALLREPORT", "MPICOLL_CHEK", "MPICOLL_Z
 
 
 def test_an_unknown_variable_is_named_with_the_closest_known_one():
-    unknown = _settings.unknown_variables({"MPICOLL_TIMOUT": "10", "MPICOLL_STALLREPORT": "5",
-                                           "MPICOLL_CHEK": "1", "MPICOLL_ZEBRA": "1",
-                                           "MPICOLL_TIMEOUT": "5", "PATH": "/bin"})
+    unknown = settings.unknown_variables({"MPICOLL_TIMOUT": "10", "MPICOLL_STALLREPORT": "5",
+                                          "MPICOLL_CHEK": "1", "MPICOLL_ZEBRA": "1",
+                                          "MPICOLL_TIMEOUT": "5", "PATH": "/bin"})
     assert unknown == [("MPICOLL_CHEK", "MPICOLL_CHECK"),
                        ("MPICOLL_STALLREPORT", "MPICOLL_STALL_REPORT"),
                        ("MPICOLL_TIMOUT", "MPICOLL_TIMEOUT"), ("MPICOLL_ZEBRA", None)]
-    assert _settings.unknown_variable_message("MPICOLL_TIMOUT", "MPICOLL_TIMEOUT") == (
+    assert settings.unknown_variable_message("MPICOLL_TIMOUT", "MPICOLL_TIMEOUT") == (
         "mpicoll: MPICOLL_TIMOUT is not a variable mpicoll reads; did you mean MPICOLL_TIMEOUT? "
         "(the settings: docs/settings.md)")
 
@@ -191,11 +191,11 @@ def test_every_mpicoll_variable_the_repository_uses_is_known():
     for path in (root / "Makefile", root / "setup.py", root / "README.md"):
         for found in name.findall(path.read_text(errors="replace")):
             used.setdefault(found, path.relative_to(root))
-    known = set(_settings.known_variables())
+    known = set(settings.known_variables())
     strays = {n: str(where) for n, where in used.items()
               if n not in known and n not in macros and n not in _MISSPELT}
     assert not strays, f"MPICOLL_* names used but unknown to settings.py: {strays}"
-    assert set(_settings.OTHER_VARIABLES) <= set(used), "an OTHER_VARIABLES entry nothing uses"
+    assert set(settings.OTHER_VARIABLES) <= set(used), "an OTHER_VARIABLES entry nothing uses"
 
 
 @serial_only
@@ -230,10 +230,10 @@ def test_a_bad_variable_stops_the_import():
 
 def test_the_trace_directory_is_made_at_import_and_given_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    settings, _ = _settings.from_environment({"MPICOLL_TRACE": "timeline/run1"})
-    assert settings.trace == str(tmp_path / "timeline" / "run1")
+    values, _ = settings.from_environment({"MPICOLL_TRACE": "timeline/run1"})
+    assert values.trace == str(tmp_path / "timeline" / "run1")
     assert (tmp_path / "timeline" / "run1").is_dir()
-    assert _settings.from_environment({})[0].trace == ""
+    assert settings.from_environment({})[0].trace == ""
 
 
 @serial_only
@@ -254,57 +254,56 @@ def test_an_unwritable_trace_directory_stops_the_import_on_every_rank():
 
 
 def test_override_changes_the_thresholds_inside_only():
-    before = _ranks_devices.local_combine_bytes(2), _ranks_devices.split_allreduce_bytes(8)
-    with _settings.override(local_combine_bytes=0, split_allreduce_bytes=7000) as inside:
-        assert inside is _settings.current()
-        assert _ranks_devices.local_combine_bytes(2) == 0
-        assert _ranks_devices.split_allreduce_bytes(8) == 1000  # scaled by 1 / (L - 1)
-        assert _settings.sources()["split_allreduce_bytes"] == "override"
-        with _settings.override(local_combine_bytes=None):  # None keeps a field
-            assert _ranks_devices.local_combine_bytes(2) == 0
-    assert (_ranks_devices.local_combine_bytes(2), _ranks_devices.split_allreduce_bytes(8)) \
+    before = ranks_devices.local_combine_bytes(2), ranks_devices.split_allreduce_bytes(8)
+    with settings.override(local_combine_bytes=0, split_allreduce_bytes=7000) as inside:
+        assert inside is settings.current()
+        assert ranks_devices.local_combine_bytes(2) == 0
+        assert ranks_devices.split_allreduce_bytes(8) == 1000  # scaled by 1 / (L - 1)
+        assert settings.sources()["split_allreduce_bytes"] == "override"
+        with settings.override(local_combine_bytes=None):  # None keeps a field
+            assert ranks_devices.local_combine_bytes(2) == 0
+    assert (ranks_devices.local_combine_bytes(2), ranks_devices.split_allreduce_bytes(8)) \
         == before
-    assert _settings.sources()["split_allreduce_bytes"] != "override"
+    assert settings.sources()["split_allreduce_bytes"] != "override"
 
 
 def test_every_collective_of_the_extension_has_one_spec_that_agrees_with_its_row():
     native = extension.collectives()
-    assert set(native) == set(_spec.SPECS), "the Python specs and csrc/ops.def disagree"
-    for name, spec in _spec.SPECS.items():
-        assert bool(native[name]["reduces"]) == spec.reduces, name
-        assert bool(native[name]["rooted"]) == spec.has_root, name
+    assert set(native) == set(spec.SPECS), "the Python specs and csrc/ops.def disagree"
+    for name, collective in spec.SPECS.items():
+        assert bool(native[name]["reduces"]) == collective.reduces, name
+        assert bool(native[name]["rooted"]) == collective.has_root, name
 
 
 def test_the_dtype_table_is_the_extensions_and_every_docstring_lists_it():
     import mpicoll
-    from mpicoll.runtime import dtypes as _types
-    assert [str(d) for d in _types.DTYPE_FAMILIES] == list(extension.dtypes())
+    assert [str(d) for d in dtypes.DTYPE_FAMILIES] == list(extension.dtypes())
     for name in ("bfloat16", "complex128", "uint64", "bool"):
         assert name in extension.dtypes()
     listed = " ".join(mpicoll.allreduce.__doc__.split())
-    assert _types.dtype_names() in listed, "allreduce's docstring lists the dtypes"
-    assert _types.dtype_names() in " ".join(mpicoll.gatherv.__doc__.split())
+    assert dtypes.dtype_names() in listed, "allreduce's docstring lists the dtypes"
+    assert dtypes.dtype_names() in " ".join(mpicoll.gatherv.__doc__.split())
 
 
 def test_a_spec_the_extension_does_not_know_is_refused():
     from mpicoll.primitive.define import define
-    unknown = _spec.Collective("allmean", out_shape=lambda shape, params: shape,
-                               transpose=lambda ct, params: ct, reduces=True)
+    unknown = spec.Collective("allmean", out_shape=lambda shape, params: shape,
+                              transpose=lambda ct, params: ct, reduces=True)
     with pytest.raises(AssertionError, match="no collective 'allmean'"):
         define(unknown)
-    disagreeing = dataclasses.replace(_spec.SPECS["bcast"], has_root=False)
+    disagreeing = dataclasses.replace(spec.SPECS["bcast"], has_root=False)
     with pytest.raises(AssertionError, match="disagrees"):
         define(disagreeing)
 
 
 def test_the_reduction_ops_are_the_extensions():
     native = extension.reduction_ops()
-    assert list(_types.OP_FAMILIES) == sorted(native, key=lambda name: native[name][0])
-    assert _types.OP_CODES == {name: code for name, (code, _) in native.items()}
+    assert list(dtypes.OP_FAMILIES) == sorted(native, key=lambda name: native[name][0])
+    assert dtypes.OP_CODES == {name: code for name, (code, _) in native.items()}
     # ... and every one is valid by name and as mpi4py's op (MPI.SUM for "sum").
     from mpi4py import MPI
     for name in native:
-        assert _types.op_name(getattr(MPI, name.upper()), "test") == name
+        assert dtypes.op_name(getattr(MPI, name.upper()), "test") == name
 
 
 @serial_only

@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 
-from ..runtime import settings as _settings
+from ..runtime import settings
 from ..runtime.native import extension
 
 _directory = None   # the running trace's, else None
@@ -52,8 +52,8 @@ def start_trace(directory, skip=0):
                            f"({_from}); stop it first with mpicoll.stop_trace()")
     if not isinstance(skip, int) or isinstance(skip, bool) or skip < 0:
         raise ValueError(f"mpicoll.start_trace: skip must be a whole number >= 0, got {skip!r}")
-    path = _settings.writable_directory("mpicoll.start_trace: directory", os.fspath(directory),
-                                        create=True)
+    path = settings.writable_directory("mpicoll.start_trace: directory", os.fspath(directory),
+                                       create=True)
     _begin(path, skip, "start_trace")
 
 
@@ -130,11 +130,11 @@ def tracing_to():
     return _directory, _from
 
 
-def start_at_import(settings):
+def start_at_import(current):
     """MPICOLL_TRACE: a trace from import to exit (written then by an exit handler)."""
-    if settings.trace:
-        _begin(settings.trace, settings.trace_skip,
-               _settings.sources()["trace"])
+    if current.trace:
+        _begin(current.trace, current.trace_skip,
+               settings.sources()["trace"])
 
 
 def stop_at_exit():

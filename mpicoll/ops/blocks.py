@@ -9,13 +9,13 @@ Each spec is a row of csrc/ops.def on the C++ side.
 import jax.numpy as jnp
 
 from .. import _compat
-from ..runtime import dtypes as _types
+from ..runtime import dtypes
 from ..primitive.define import define
 from ..primitive.spec import Collective, rank as _rank
 from ..primitive.varying import pvary_p
 
-_SUM = _types.SUM
-_OP_NAMES = _types.OP_NAMES
+_SUM = dtypes.SUM
+_OP_NAMES = dtypes.OP_NAMES
 
 
 def reduction_tangent(name, op, x, selected, t, summed, gathered, own_row):

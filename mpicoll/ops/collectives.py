@@ -10,10 +10,10 @@ point-to-point in p2p.py.
 
 import jax
 
-from . import blocks as _blocks, ranks_devices as _ranks_devices
+from . import blocks, ranks_devices
 from .. import _compat
-from ..primitive import spec as _spec, varying as _typing
-from ..runtime import dtypes as _types, comm as comm_layer
+from ..primitive import spec, varying
+from ..runtime import dtypes, comm as comm_layer
 from ..primitive.dispatch import collective
 from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 from ..primitive.validate import as_array, each_leaf
@@ -22,10 +22,10 @@ from ..primitive.validate import as_array, each_leaf
 # What every rank-block collective has in common, put into each docstring by
 # _contract ({x}, {comm}, {raises}, {rules}), so that help() and the API page show
 # the whole contract of each function, in napoleon's Google style.
-_X = _spec.paragraph(
+_X = spec.paragraph(
     "An array (jax or numpy), a Python scalar, or a pytree of them (each leaf as if "
     "alone; small leaves of one dtype travel in one message; the result has the tree's "
-    f"structure).  Dtypes: {_types.dtype_names()} (64-bit ones need jax_enable_x64).")
+    f"structure).  Dtypes: {dtypes.dtype_names()} (64-bit ones need jax_enable_x64).")
 
 _COMM = """an mpi4py intracommunicator (COMM_WORLD, a Dup(), Split(),
             Create_cart() ...); None (the default) means MPI.COMM_WORLD.
@@ -60,8 +60,8 @@ _NO_AXIS_NAME = """NotImplementedError: for axis_name (no global form), naming w
             use instead."""
 
 
-_contract = _spec.documented({"x": _X, "comm": _COMM, "ops": _OPS, "raises": _RAISES,
-                              "rules": _RULES, "no_axis_name": _NO_AXIS_NAME})
+_contract = spec.documented({"x": _X, "comm": _COMM, "ops": _OPS, "raises": _RAISES,
+                             "rules": _RULES, "no_axis_name": _NO_AXIS_NAME})
 
 
 @_contract
@@ -91,8 +91,8 @@ def bcast(x, root=0, *, comm=None, axis_name=None):
         mpicoll.bcast(x, root=1)         # [1,1,1] on both
     """
     if axis_name is not None:
-        return _ranks_devices.bcast(x, root, comm, axis_name)
-    return collective(_blocks.BCAST, x, comm=comm, root=root)
+        return ranks_devices.bcast(x, root, comm, axis_name)
+    return collective(blocks.BCAST, x, comm=comm, root=root)
 
 
 def _no_global_form(name, axis_name, instead):
@@ -129,7 +129,7 @@ def scatter(x, root=0, *, comm=None, axis_name=None):
         mpicoll.scatter(x, root=0)           # rank 0: [10, 11]; rank 1: [20, 21]
     """
     _no_global_form("scatter", axis_name, "use alltoall(x, axis_name=...)")
-    return collective(_blocks.SCATTER, x, comm=comm, root=root)
+    return collective(blocks.SCATTER, x, comm=comm, root=root)
 
 
 @_contract
@@ -156,7 +156,7 @@ def reduce(x, op="sum", root=0, *, comm=None, axis_name=None):
         mpicoll.reduce(jnp.array([rank + 1.0]), "sum", root=0)  # rank 0: [3.], rank 1: [0.]
     """
     _no_global_form("reduce", axis_name, "use allreduce(x, op, axis_name=...)")
-    return collective(_blocks.REDUCE, x, comm=comm, root=root, op=op)
+    return collective(blocks.REDUCE, x, comm=comm, root=root, op=op)
 
 
 @_contract
@@ -185,8 +185,8 @@ def allreduce(x, op="sum", *, comm=None, axis_name=None):
         jax.tree.map(lambda g: g / size, mpicoll.allreduce(grads))  # averaged gradients
     """
     if axis_name is not None:
-        return _ranks_devices.allreduce(x, op, comm, axis_name)
-    return collective(_blocks.ALLREDUCE, x, comm=comm, op=op)
+        return ranks_devices.allreduce(x, op, comm, axis_name)
+    return collective(blocks.ALLREDUCE, x, comm=comm, op=op)
 
 
 @_contract
@@ -213,7 +213,7 @@ def gather(x, root=0, *, comm=None, axis_name=None):
         # rank 0: [[0, 0], [1, 10]]; rank 1: [[0, 0], [0, 0]]
     """
     _no_global_form("gather", axis_name, "use allgather(x, axis_name=...)")
-    return collective(_blocks.GATHER, x, comm=comm, root=root)
+    return collective(blocks.GATHER, x, comm=comm, root=root)
 
 
 @_contract
@@ -238,8 +238,8 @@ def allgather(x, *, comm=None, axis_name=None):
         mpicoll.allgather(jnp.array(rank))   # [0, 1] on both
     """
     if axis_name is not None:
-        return _ranks_devices.allgather(x, comm, axis_name)
-    return collective(_blocks.ALLGATHER, x, comm=comm)
+        return ranks_devices.allgather(x, comm, axis_name)
+    return collective(blocks.ALLGATHER, x, comm=comm)
 
 
 @_contract
@@ -265,8 +265,8 @@ def alltoall(x, *, comm=None, axis_name=None):
         mpicoll.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
     """
     if axis_name is not None:
-        return _ranks_devices.alltoall(x, comm, axis_name)
-    return collective(_blocks.ALLTOALL, x, comm=comm)
+        return ranks_devices.alltoall(x, comm, axis_name)
+    return collective(blocks.ALLTOALL, x, comm=comm)
 
 
 @_contract
@@ -298,8 +298,8 @@ def reduce_scatter(x, op="sum", *, comm=None, axis_name=None):
         mpicoll.reduce_scatter(x)            # rank 0: [3., 6.]; rank 1: [9., 12.]
     """
     if axis_name is not None:
-        return _ranks_devices.reduce_scatter(x, op, comm, axis_name)
-    return collective(_blocks.REDUCE_SCATTER, x, comm=comm, op=op)
+        return ranks_devices.reduce_scatter(x, op, comm, axis_name)
+    return collective(blocks.REDUCE_SCATTER, x, comm=comm, op=op)
 
 
 @_contract
@@ -325,7 +325,7 @@ def scan(x, op="sum", *, comm=None, axis_name=None):
         mpicoll.scan(jnp.array(rank + 1))    # rank 0: 1; rank 1: 3; rank 2: 6
     """
     _no_global_form("scan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
-    return collective(_blocks.SCAN, x, comm=comm, op=op)
+    return collective(blocks.SCAN, x, comm=comm, op=op)
 
 
 @_contract
@@ -352,7 +352,7 @@ def exscan(x, op="sum", *, comm=None, axis_name=None):
         mpicoll.exscan(jnp.array(rank + 1))  # rank 0: 0; rank 1: 1; rank 2: 3
     """
     _no_global_form("exscan", axis_name, "use allgather(x, axis_name=...) and a local cumsum")
-    return collective(_blocks.EXSCAN, x, comm=comm, op=op)
+    return collective(blocks.EXSCAN, x, comm=comm, op=op)
 
 
 @_compat.api_boundary
@@ -426,10 +426,10 @@ def pvary(x, *, comm=None):
     info = comm_layer.resolve(comm, "pvary")
     leaves, treedef = jax.tree.flatten(x)
     leaves = each_leaf(x, leaves, lambda leaf: as_array(leaf, "pvary"))
-    each_leaf(x, leaves, lambda leaf: _types.dtype_family(leaf.dtype, "pvary"))
-    if _typing.ranks_typed():
-        each_leaf(x, leaves, _typing.check_invariant)
-    return jax.tree.unflatten(treedef, [_typing.pvary_p.bind(leaf, comm=info.slot,
+    each_leaf(x, leaves, lambda leaf: dtypes.dtype_family(leaf.dtype, "pvary"))
+    if varying.ranks_typed():
+        each_leaf(x, leaves, varying.check_invariant)
+    return jax.tree.unflatten(treedef, [varying.pvary_p.bind(leaf, comm=info.slot,
                                                              size=info.size)
                                         for leaf in leaves])
 

@@ -42,16 +42,16 @@ import numpy as np
 from jax import lax
 
 from .. import _compat
-from ..runtime import dtypes as _types, comm as comm_layer, native as _native
-from . import blocks as _blocks
-from ..primitive import varying as _typing
+from ..runtime import dtypes, comm as comm_layer, native
+from . import blocks
+from ..primitive import varying
 from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
 
 # name -> (code, rows_in): the extension's table (csrc/meeting/kinds.def).
-_TABLE = _native.extension.meeting_kinds()
+_TABLE = native.extension.meeting_kinds()
 KINDS = {name: code for name, (code, _) in _TABLE.items()}
 _ROWS_IN = {name for name, (_, rows_in) in _TABLE.items() if rows_in}  # one row per participant
-_SUM = _types.SUM
+_SUM = dtypes.SUM
 
 
 def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=(), op=0,
@@ -73,12 +73,12 @@ def meet(x, kind, comm, local, *, pairs=(), root=0, groups=(), invariant=(), op=
     rather than mpicoll's ranks x devices one (axis_name=)."""
     params = dict(comm=comm.slot, size=comm.size, root=int(root), op=op,
                   transpose_sums=not _compat.check_vma_enabled(),
-                  checked_ad=_typing.autodiff_checked())
+                  checked_ad=varying.autodiff_checked())
     if kind == "allreduce":
-        params = _typing.typed_params(params)
+        params = varying.typed_params(params)
     elif axis_name is not None and _compat.check_vma_enabled():
         x = _compat.pvary(x, (axis_name,))
-    x = _typing.typed_input(x, comm)
+    x = varying.typed_input(x, comm)
     flat = tuple(int(index) for pair in pairs for index in pair)
     return local_meeting_p.bind(x, kind=kind, local=local, pairs=flat, groups=tuple(groups),
                                 invariant=invariant, split=bool(split), axis_name=axis_name,
@@ -99,10 +99,10 @@ def _abstract_eval(x, *, kind, comm, size, local, invariant=(), axis_name=None, 
         # invariant over the local axis; over the ranks as mpicoll's allreduce.
         if _compat.check_vma_enabled() and axis_name is not None:
             x = _compat.with_varying_axes(x, _compat.varying_axes(x) - {axis_name})
-        return _typing.typed_output(_blocks.ALLREDUCE, x, x.shape,
+        return varying.typed_output(blocks.ALLREDUCE, x, x.shape,
                                     {"comm": comm, "size": size, **params}), {mpi_effect}
     out = _compat.aval_with_shape(x, _shape(x.shape, kind, size * local))
-    axes = set(_typing.typed_axes(comm))
+    axes = set(varying.typed_axes(comm))
     if invariant:  # the same rows on every participant of the axes
         out = _compat.with_varying_axes(out, _compat.varying_axes(x) - set(invariant[0]) - axes)
     elif axes:
@@ -112,7 +112,7 @@ def _abstract_eval(x, *, kind, comm, size, local, invariant=(), axis_name=None, 
 
 def _lowering(ctx, x, *, kind, comm, local, pairs, root, op, split, groups=(), **params):
     if kind == "reduce":
-        op = _types.op_code("sum", ctx.avals_in[0].dtype, "psum")
+        op = dtypes.op_code("sum", ctx.avals_in[0].dtype, "psum")
     # In place for allreduce: a dead or donated x (a loop carry) is the output buffer.
     return ordered_ffi_call(ctx, "mpicoll_local_meeting", x,
                             aliases={1: 1} if kind == "allreduce" else None, comm=comm,
@@ -144,7 +144,7 @@ def _batch(args, dims, *, kind, **params):
 
 def _rebind(x, **params):
     """The same meeting on another value (a tangent, a cotangent), typed as its input."""
-    x = _typing.typed_input(x, comm_layer.info_for_slot(params["comm"]))
+    x = varying.typed_input(x, comm_layer.info_for_slot(params["comm"]))
     return local_meeting_p.bind(x, **params)
 
 
@@ -159,12 +159,12 @@ def _own_row(params):
 
 def _allreduce_tangent(x, y, t, params):
     """The derivative of allreduce with a non-linear op, each piece a meeting."""
-    op = _types.OP_NAMES[params["op"]]
+    op = dtypes.OP_NAMES[params["op"]]
     if params["whole"]:
         raise NotImplementedError(
             f"jax.lax.p{op} over axes spanning processes has no derivative (JAX defines "
             "none for pmax and pmin)")
-    return _blocks.reduction_tangent(
+    return blocks.reduction_tangent(
         "allreduce", op, x, lambda: y, t, lambda v: _rebind(v, **{**params, "op": _SUM}),
         lambda: _rebind(x, **{**params, "kind": "allgather", "op": 0, "split": False}),
         lambda: _own_row(params))
@@ -178,7 +178,7 @@ def _jvp(primals, tangents, *, kind, **params):
     if kind == "allreduce" and params["op"] != _SUM:
         return y, _allreduce_tangent(x, y, t, {**params, "kind": kind})
     if kind == "reduce_scatter" and params["op"] != _SUM:
-        raise NotImplementedError(f"mpicoll.reduce_scatter: op={_types.OP_NAMES[params['op']]!r} "
+        raise NotImplementedError(f"mpicoll.reduce_scatter: op={dtypes.OP_NAMES[params['op']]!r} "
                                   "has no derivative (op='sum' has)")
     return y, local_meeting_p.bind(t, kind=kind, **params)  # linear
 
@@ -192,11 +192,11 @@ def _transpose(ct, x, *, kind, pairs, invariant=(), **params):
     if type(ct) is _compat.Zero:
         return [_compat.zero_tangent(x.aval)]
     params = {**params, "invariant": invariant}
-    _typing.check_reverse_mode(kind, params)  # outside mesh(), as every collective's
+    varying.check_reverse_mode(kind, params)  # outside mesh(), as every collective's
     if kind == "allreduce":  # the sum (the other ops are not linear)
         if params["transpose_sums"]:  # pmap-style: psum transposes to psum
             return [_rebind(ct, kind=kind, pairs=pairs, **params)]
-        ct = _typing.typed_like(ct, x.aval, params)  # check_vma: to pvary
+        ct = varying.typed_like(ct, x.aval, params)  # check_vma: to pvary
         local_axis = params["axis_name"]
         if (not params["whole"] and local_axis in _compat.varying_axes(x.aval)
                 and local_axis not in _compat.varying_axes(jax.typeof(ct))):
@@ -205,10 +205,10 @@ def _transpose(ct, x, *, kind, pairs, invariant=(), **params):
     if invariant:  # the result is the same on every participant: its cotangent counts once
         own = _own_row(params)
         if kind == "allgather":  # JAX's all_gather_invariant's: this participant's own row
-            return [_typing.typed_like(lax.dynamic_index_in_dim(ct, own, 0, keepdims=False),
+            return [varying.typed_like(lax.dynamic_index_in_dim(ct, own, 0, keepdims=False),
                                        x.aval, params)]
         if kind == "bcast":  # the root's input alone
-            return [_typing.typed_like(jnp.where(own == params["root"], ct, jnp.zeros_like(ct)),
+            return [varying.typed_like(jnp.where(own == params["root"], ct, jnp.zeros_like(ct)),
                                        x.aval, params)]
     inverse = tuple(value for s, d in zip(pairs[::2], pairs[1::2]) for value in (d, s))
     return [_rebind(ct, kind=_TRANSPOSED[kind], pairs=inverse,

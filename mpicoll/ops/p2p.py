@@ -1,6 +1,6 @@
 """Point-to-point: send, recv and sendrecv as ordered primitives.
 
-They are specs of the shared mechanism (_primitive.define), family
+They are specs of the shared mechanism (primitive/define.py), family
 "peer": the handler reads [source, dest, send tag, recv tag] from `args`.  They
 carry the same ordered MPI effect as the collectives, so on every rank MPI
 sees them in program order, also under jit and in loops.  That is the whole
@@ -25,8 +25,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _compat
-from ..runtime import dtypes as _types
-from ..primitive import overlap as _overlap, sharded as _sharded, validate as _validate
+from ..runtime import dtypes
+from ..primitive import overlap, sharded, validate
 from ..primitive.dispatch import bind, on_each_device, per_device_overlap
 from ..primitive.define import define, effectful_primitive, mpi_effect, ordered_ffi_call
 from ..primitive.spec import Collective
@@ -38,7 +38,7 @@ TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)  # the same bound on every communic
 
 
 def _rank_arg(value, name, info, caller, any_source=False):
-    value = _validate.static_int(value, name, caller)
+    value = validate.static_int(value, name, caller)
     if value == PROC_NULL or (any_source and value == ANY_SOURCE) or 0 <= value < info.size:
         return value
     allowed = "mpicoll.PROC_NULL" + (", mpicoll.ANY_SOURCE" if any_source else "")
@@ -47,7 +47,7 @@ def _rank_arg(value, name, info, caller, any_source=False):
 
 
 def _tag_arg(value, name, caller, any_tag=False):
-    value = _validate.static_int(value, name, caller)
+    value = validate.static_int(value, name, caller)
     if 0 <= value <= TAG_UB or (any_tag and value == ANY_TAG):
         return value
     allowed = " or mpicoll.ANY_TAG" if any_tag else ""
@@ -187,9 +187,9 @@ def _template(template, caller):
         raise TypeError(f"mpicoll.{caller}: the template must have .shape and .dtype (an "
                         f"array or jax.ShapeDtypeStruct), got {type(template).__name__}")
     dtype = np.dtype(dtype)
-    if dtype not in _types.DTYPE_FAMILIES:
+    if dtype not in dtypes.DTYPE_FAMILIES:
         raise TypeError(f"mpicoll.{caller}: the template has unsupported dtype {dtype}; "
-                        f"supported dtypes: {', '.join(map(str, _types.DTYPE_FAMILIES))}")
+                        f"supported dtypes: {', '.join(map(str, dtypes.DTYPE_FAMILIES))}")
     return _shape_arg(shape, caller), dtype
 
 
@@ -221,7 +221,7 @@ def send(x, dest, tag=0, *, comm=None):
         else:
             x = mpicoll.recv(jnp.zeros(3), source=0)   # [0., 1., 2.]
     """
-    layout = _sharded.layout_of(x, "send")
+    layout = sharded.layout_of(x, "send")
     if layout is not None:  # each device sends its shard, to the same device of dest
         on_each_device(lambda shard: _per_device(send, shard, dest, tag, comm=comm) or (),
                        (x,), layout, ())
@@ -232,7 +232,7 @@ def send(x, dest, tag=0, *, comm=None):
 def _per_device(function, *args, **kwargs):
     """function(*args) on one device's shard, on its progress thread where on CPU
     (primitive/sharded.py says why)."""
-    with _overlap.overlap(per_device_overlap()):
+    with overlap.overlap(per_device_overlap()):
         return function(*args, **kwargs)
 
 
@@ -264,9 +264,9 @@ def recv(template, source, tag=0, *, comm=None, return_status=False):
                                       return_status=True)
     """
     shape, dtype = _template(template, "recv")
-    layout = _sharded.layout_of(template, "recv")
+    layout = sharded.layout_of(template, "recv")
     if layout is not None:  # each device receives its shard, from the same device of source
-        part = jax.ShapeDtypeStruct(_sharded.shard_shape(layout, shape), dtype)
+        part = jax.ShapeDtypeStruct(sharded.shard_shape(layout, shape), dtype)
         spec = layout.spec
         outs = on_each_device(
             lambda: _per_device(recv, part, source, tag, comm=comm, return_status=True),
@@ -307,16 +307,16 @@ def sendrecv(x, source, dest, sendtag=0, recvtag=ANY_TAG, *, comm=None, recv_lik
 
         right = mpicoll.sendrecv(x, source=(rank - 1) % size, dest=(rank + 1) % size)
     """
-    x = _validate.as_array(x, "sendrecv")
+    x = validate.as_array(x, "sendrecv")
     shape = tuple(x.shape)
     if recv_like is not None:
         shape, dtype = _template(recv_like, "sendrecv")
         if dtype != x.dtype:
             raise TypeError(f"mpicoll.sendrecv: recv_like has dtype {dtype}, but x has "
                             f"{x.dtype}; both sides of a sendrecv move one dtype")
-    layout = _sharded.layout_of(x, "sendrecv")
+    layout = sharded.layout_of(x, "sendrecv")
     if layout is not None:  # each device exchanges its shard with the same device of its peers
-        part = jax.ShapeDtypeStruct(_sharded.shard_shape(layout, shape), x.dtype)
+        part = jax.ShapeDtypeStruct(sharded.shard_shape(layout, shape), x.dtype)
         outs = on_each_device(
             lambda shard: _per_device(sendrecv, shard, source, dest, sendtag, recvtag,
                                       comm=comm, recv_like=part, return_status=True),

@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import blocks as _blocks, local_meeting as _local_meeting
+from . import blocks, local_meeting
 from .. import _compat
-from ..runtime import settings as _settings, dtypes as _types, comm as comm_layer
-from ..primitive import validate as _validate
+from ..runtime import settings, dtypes, comm as comm_layer
+from ..primitive import validate
 from ..primitive.dispatch import bind
 
 # The two thresholds below are set at 2 devices and fall as 1 / (L - 1)
@@ -91,12 +91,12 @@ def _scaled_to(local, bytes_at_two_devices):
 
 def local_combine_bytes(local):
     """Bytes per device up to which one thread makes the meeting's MPI allreduce (CPU)."""
-    return _scaled_to(local, _settings.current().local_combine_bytes)
+    return _scaled_to(local, settings.current().local_combine_bytes)
 
 
 def split_allreduce_bytes(local):
     """Bytes per device from which the GPU composition splits its MPI work over the devices."""
-    return _scaled_to(local, _settings.current().split_allreduce_bytes)
+    return _scaled_to(local, settings.current().split_allreduce_bytes)
 
 
 def meets(local):
@@ -132,8 +132,8 @@ def _reduction_arguments(x, op, comm, axis_name, caller):
     """(x as an array, the op checked for its dtype, the communicator, the local
     device count): the one check of op and comm on this path (the binds below
     take them as checked, runtime/dtypes.CheckedOp and comm.CommInfo)."""
-    x = _validate.as_array(x, caller)
-    op = _types.checked_op(op, x.dtype, caller)
+    x = validate.as_array(x, caller)
+    op = dtypes.checked_op(op, x.dtype, caller)
     return x, op, comm_layer.resolve(comm, caller), _local_axis_size(axis_name, caller)
 
 
@@ -153,7 +153,7 @@ def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=(
     if local is None:
         local = jax.local_device_count() if whole else lax.axis_size(axis_name)
     split = x.size * x.dtype.itemsize > local_combine_bytes(local)
-    return _local_meeting.meet(x, "allreduce", info, local, op=_types.op_code(
+    return local_meeting.meet(x, "allreduce", info, local, op=dtypes.op_code(
         op, x.dtype, "allreduce"), split=split, axis_name=axis_name, whole=whole,
         groups=groups)
 
@@ -163,14 +163,14 @@ def _composed_allreduce(x, op, comm, axis_name):
     local = lax.axis_size(axis_name)
     vma = _compat.check_vma_enabled()
     # psum's transpose is psum under pmap, and pvary (identity) with check_vma.
-    per_rank = functools.partial(bind, _blocks.ALLREDUCE, op=op, comm=comm,
+    per_rank = functools.partial(bind, blocks.ALLREDUCE, op=op, comm=comm,
                                  transpose_sums=not vma)
     if op.name != "sum":
         # Every device reduces the same gathered rows, so the result is typed
         # invariant over the local axis, as lax.pmax's is (its derivative then
         # reaches the device whose element won).
         gathered = (_compat.all_gather_invariant if vma else lax.all_gather)(x, axis_name)
-        combined = functools.reduce(_types.elementwise(op.name),
+        combined = functools.reduce(dtypes.elementwise(op.name),
                                     [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
     if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
@@ -188,13 +188,13 @@ def _composed_allreduce(x, op, comm, axis_name):
 
 
 def allgather(x, comm, axis_name):
-    x = _validate.as_array(x, "allgather")
+    x = validate.as_array(x, "allgather")
     info = comm_layer.resolve(comm, "allgather")
     local = _local_axis_size(axis_name, "allgather")
     if meets(local):
-        return _local_meeting.meet(x, "allgather", info, local, axis_name=axis_name)
+        return local_meeting.meet(x, "allgather", info, local, axis_name=axis_name)
     # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
-    across_ranks = bind(_blocks.ALLGATHER, x, comm=info, transpose_sums=True)
+    across_ranks = bind(blocks.ALLGATHER, x, comm=info, transpose_sums=True)
     everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
     size = across_ranks.shape[0]
     return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
@@ -210,52 +210,52 @@ def _participant_blocks(x, info, local, caller):
 
 
 def alltoall(x, comm, axis_name):
-    x = _validate.as_array(x, "alltoall")
+    x = validate.as_array(x, "alltoall")
     info = comm_layer.resolve(comm, "alltoall")
     local = _local_axis_size(axis_name, "alltoall")
-    blocks = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
+    parts = _participant_blocks(x, info, local, "alltoall")  # [dest rank, dest device]
     if meets(local):
-        return _local_meeting.meet(x, "alltoall", info, local, axis_name=axis_name)
+        return local_meeting.meet(x, "alltoall", info, local, axis_name=axis_name)
     # Device k' receives, from every local device k, the rows meant for devices k':
     # [dest rank, src device].
-    blocks = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
-    blocks = bind(_blocks.ALLTOALL, blocks, comm=info)  # [src rank, src device]
-    return blocks.reshape(x.shape)
+    parts = lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
+    parts = bind(blocks.ALLTOALL, parts, comm=info)  # [src rank, src device]
+    return parts.reshape(x.shape)
 
 
 def bcast(x, root, comm, axis_name):
-    x = _validate.as_array(x, "bcast")
+    x = validate.as_array(x, "bcast")
     info = comm_layer.resolve(comm, "bcast")
     local = _local_axis_size(axis_name, "bcast")
-    root = _validate.check_root(
+    root = validate.check_root(
         root, info.size * local, "bcast",
         among=f"{info.size} rank(s) x {local} local device(s) = {info.size * local} participants")
     vma = _compat.check_vma_enabled()
     if meets(local):
         # Typed invariant, like the composition: the same value on every participant.
-        return _local_meeting.meet(x, "bcast", info, local, axis_name=axis_name, root=root,
-                                   invariant=((axis_name,), ()) if vma else ())
+        return local_meeting.meet(x, "bcast", info, local, axis_name=axis_name, root=root,
+                                  invariant=((axis_name,), ()) if vma else ())
     root_rank, root_device = divmod(root, local)
     mask = lax.axis_index(axis_name) == root_device
     on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
-    return bind(_blocks.BCAST, on_rank.astype(x.dtype), comm=info, root=root_rank,
+    return bind(blocks.BCAST, on_rank.astype(x.dtype), comm=info, root=root_rank,
                 transpose_sums=not vma)
 
 
 def reduce_scatter(x, op, comm, axis_name):
     x, op, info, local = _reduction_arguments(x, op, comm, axis_name, "reduce_scatter")
-    blocks = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
+    parts = _participant_blocks(x, info, local, "reduce_scatter")  # [dest rank, dest device]
     if meets(local):
-        return _local_meeting.meet(x, "reduce_scatter", info, local, axis_name=axis_name,
-                                   op=_types.op_code(op, x.dtype, "reduce_scatter"))
+        return local_meeting.meet(x, "reduce_scatter", info, local, axis_name=axis_name,
+                                  op=dtypes.op_code(op, x.dtype, "reduce_scatter"))
     if op.name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
-        mine = lax.psum_scatter(blocks, axis_name, scatter_dimension=1)  # [dest rank, ...]
+        mine = lax.psum_scatter(parts, axis_name, scatter_dimension=1)  # [dest rank, ...]
     else:
-        everything = lax.all_to_all(blocks, axis_name, split_axis=1, concat_axis=1)
+        everything = lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
         # [dest rank, source device]: combine over the local source devices
-        mine = functools.reduce(_types.elementwise(op.name),
+        mine = functools.reduce(dtypes.elementwise(op.name),
                                 [everything[:, k] for k in range(local)])
         mine = mine.astype(x.dtype)
     vma = _compat.check_vma_enabled()
-    return bind(_blocks.REDUCE_SCATTER, mine, op=op, comm=info, transpose_sums=not vma)
+    return bind(blocks.REDUCE_SCATTER, mine, op=op, comm=info, transpose_sums=not vma)

@@ -18,9 +18,9 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import blocks as _blocks
-from ..primitive import spec as _spec
-from ..runtime import dtypes as _types
+from . import blocks
+from ..primitive import spec
+from ..runtime import dtypes
 from ..primitive.dispatch import bind
 from ..primitive.define import define
 from ..primitive.spec import Collective, rank as _rank
@@ -112,7 +112,7 @@ def _batch(x, dim, params):
 def _own_slice(ct, params):
     """Rank r's rows of an allgatherv output (with transpose_sums, of the sum over ranks)."""
     if params["transpose_sums"]:
-        ct = _blocks.ALLREDUCE.run(ct, params, op=_types.SUM, ffi_args=())
+        ct = blocks.ALLREDUCE.run(ct, params, op=dtypes.SUM, ffi_args=())
     counts, rank = _counts(params), _rank(params)
     start = sum(counts[:rank])
     return ct[start:start + counts[rank]]
@@ -154,8 +154,8 @@ ALLTOALLV = _vector_collective("alltoallv", lambda p: sum(p["ffi_args"][1 + p["s
 
 
 # What the four have in common, put into each docstring by _contract.
-_X_ROWS = _spec.paragraph(
-    f"One array (not a pytree) of a supported dtype ({_types.dtype_names()}), with a "
+_X_ROWS = spec.paragraph(
+    f"One array (not a pytree) of a supported dtype ({dtypes.dtype_names()}), with a "
     "leading axis of rows; the rest of the shape, s, and the dtype are the same on every "
     "rank.")
 
@@ -184,7 +184,7 @@ _RULES = """Blocks are stored contiguously in rank order (the displacements
         and no axis_name form.  One MPI call moves the whole buffers."""
 
 
-_contract = _spec.documented({
+_contract = spec.documented({
     "x": _X_ROWS, "comm": _COMM, "raises": _RAISES, "rules": _RULES,
     "own_rows:counts": _OWN_ROWS.format(rows="counts[rank]"),
     "own_rows:send_counts": _OWN_ROWS.format(rows="sum(send_counts)")})

@@ -47,22 +47,21 @@ import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from ..ops import (
-    blocks as _blocks, local_meeting as _local_meeting, ranks_devices as _ranks_devices)
+from ..ops import blocks, local_meeting, ranks_devices
 from .. import _compat
-from . import mesh_groups as _mesh_groups
-from ..primitive import varying as _typing
+from . import mesh_groups
+from ..primitive import varying
 from ..runtime import comm as comm_layer
 from ..primitive.dispatch import bind
 from ..ops.p2p import PROC_NULL, SENDRECV
 
-RANKS = _typing.RANKS
+RANKS = varying.RANKS
 
 _REDUCTIONS = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
 
 # How a collective's participants lie on ranks and devices:
-PER_DEVICE, RANKS_X_AXIS, WHOLE = (_mesh_groups.PER_DEVICE, _mesh_groups.RANKS_X_AXIS,
-                                   _mesh_groups.WHOLE)
+PER_DEVICE, RANKS_X_AXIS, WHOLE = (mesh_groups.PER_DEVICE, mesh_groups.RANKS_X_AXIS,
+                                   mesh_groups.WHOLE)
 
 
 class _Participants:
@@ -118,11 +117,11 @@ class _Participants:
                                         and jax.default_backend() == "cpu")
 
     def meet(self, x, kind, **params):
-        """_local_meeting.meet over these participants (over ranks x a local axis,
+        """local_meeting.meet over these participants (over ranks x a local axis,
         x typed varying over that axis too)."""
         local_axis = self.local_axis if self.layout == RANKS_X_AXIS else None
-        return _local_meeting.meet(x, kind, self.comm, self.local, groups=self.groups,
-                                   axis_name=local_axis, **params)
+        return local_meeting.meet(x, kind, self.comm, self.local, groups=self.groups,
+                                  axis_name=local_axis, **params)
 
     def index(self, axes):
         """This participant's index in the axes' order (traced where it depends on the device)."""
@@ -147,7 +146,7 @@ def _over_ranks(axes, caller):
             f"{RANKS!r} alone or with one local device axis of mpicoll.mesh(local_axis) "
             "(as (RANKS, axis) or (axis, RANKS)); an axis that is not a mesh axis here "
             "(e.g. a vmap axis name) cannot be combined with it")
-    world = _typing.world()
+    world = varying.world()
     if not others:
         who = _Participants(world, PER_DEVICE, world.size)
         who.split_from = ("RANKS", 0)  # what axis_index_groups split: COMM_WORLD, color 0
@@ -160,14 +159,14 @@ def _over_ranks(axes, caller):
 def _over_processes(axes, caller):
     """The participants of a collective over axes of a global mesh, or None where
     none of them spans processes (XLA's own collective then runs it)."""
-    found = _mesh_groups.global_mesh()
+    found = mesh_groups.global_mesh()
     if found is None:
         return None
     names, sizes = found
     if any(axis not in names for axis in axes) or len(axes) != len(set(axes)):
         return None  # JAX's own error
     processes, local = jax.process_count(), jax.local_device_count()
-    layout, groups = _mesh_groups.grouping(tuple(names), tuple(sizes), tuple(axes), processes, local)
+    layout, groups = mesh_groups.grouping(tuple(names), tuple(sizes), tuple(axes), processes, local)
     if layout is None:
         raise NotImplementedError(
             f"jax.lax.{caller} over {tuple(axes)!r} of the mesh {dict(zip(names, sizes))}: "
@@ -176,7 +175,7 @@ def _over_processes(axes, caller):
             "jax.local_device_count()), ('proc', 'dev')), and collect over ('proc',) or "
             "('proc', 'dev')")
     color, key, *whole = groups[jax.process_index()]
-    comm = _mesh_groups.mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
+    comm = mesh_groups.mesh_communicator(tuple(axes), tuple(names), tuple(sizes), color, key)
     if comm.size == 1 and layout == PER_DEVICE:
         return None  # one device: nothing to collect
     order, per_group, device_groups = whole or (None, 1, ())
@@ -199,26 +198,26 @@ def _zeros_like(x):
 def _allreduce(x, op, who):
     if who.layout == PER_DEVICE:
         # psum transposes to psum under pmap-style typing, to pvary with check_vma.
-        return bind(_blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
+        return bind(blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
     if who.layout == RANKS_X_AXIS:
-        return _ranks_devices.allreduce(x, op, who.comm, who.local_axis)
-    return _ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True,
-                                             local=who.local, groups=who.groups)
+        return ranks_devices.allreduce(x, op, who.comm, who.local_axis)
+    return ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True,
+                                            local=who.local, groups=who.groups)
 
 
 def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
     # all_gather is typed varying and transposes to psum_scatter (transpose_sums);
     # all_gather_invariant is typed invariant and transposes to this rank's slice.
-    varying = not (invariant and _vma())
+    is_varying = not (invariant and _vma())
     if who.meets():  # rank-major rows, in the axes' order
-        typed = () if varying else (
+        typed = () if is_varying else (
             (tuple(who.axes), who.rank_major_rows()) if who.layout == WHOLE
             else ((who.local_axis,), ()))  # ranks x a local axis: rank * L + device
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
-        rows = bind(_blocks.ALLGATHER, x, comm=who.comm, transpose_sums=varying)  # (ranks, *s)
+        rows = bind(blocks.ALLGATHER, x, comm=who.comm, transpose_sums=is_varying)  # (ranks, *s)
     if who.layout == RANKS_X_AXIS and not who.meets():
-        gather = lax.all_gather if varying else _compat.all_gather_invariant
+        gather = lax.all_gather if is_varying else _compat.all_gather_invariant
         rows = gather(rows, who.local_axis)  # (L, ranks, *s)
         if not who.devices_first:
             rows = jnp.swapaxes(rows, 0, 1)
@@ -256,9 +255,9 @@ def _psum_scatter(x, who, *, scatter_dimension, tiled):
     if who.layout == WHOLE:
         return who.meet(rows, "reduce_scatter")
     if who.layout == PER_DEVICE:
-        return bind(_blocks.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
+        return bind(blocks.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
                     transpose_sums=not _vma())
-    return _ranks_devices.reduce_scatter(rows, "sum", who.comm, who.local_axis)
+    return ranks_devices.reduce_scatter(rows, "sum", who.comm, who.local_axis)
 
 
 def _exchange(rows, who):
@@ -268,9 +267,9 @@ def _exchange(rows, who):
     if who.layout == WHOLE:
         rows = who.meet(rows, "alltoall")
     elif who.layout == PER_DEVICE:
-        rows = bind(_blocks.ALLTOALL, rows, comm=who.comm)
+        rows = bind(blocks.ALLTOALL, rows, comm=who.comm)
     else:
-        rows = _ranks_devices.alltoall(rows, who.comm, who.local_axis)
+        rows = ranks_devices.alltoall(rows, who.comm, who.local_axis)
     return who.axes_order(rows)
 
 
@@ -310,7 +309,7 @@ def _ppermute(x, who, *, perm):
     pairs = _checked_permutation(perm, who.count)
     if who.layout == WHOLE and len(who.axes) > 1:
         # As JAX numbers ppermute's participants: by the mesh's order of the axes.
-        names, _ = _mesh_groups.global_mesh()
+        names, _ = mesh_groups.global_mesh()
         in_mesh_order = tuple(sorted(who.axes, key=names.index))
         if in_mesh_order != who.axes:
             who = _over_processes(in_mesh_order, "ppermute")
@@ -319,7 +318,7 @@ def _ppermute(x, who, *, perm):
         dest = next((d for s, d in pairs if s == rank), PROC_NULL)
         source = next((s for s, d in pairs if d == rank), PROC_NULL)
         if dest == PROC_NULL and source == PROC_NULL:
-            return _typing.typed_input(_zeros_like(x), who.comm)
+            return varying.typed_input(_zeros_like(x), who.comm)
         out = bind(SENDRECV, x, comm=who.comm, static=(
             ("source", source), ("dest", dest), ("sendtag", 0), ("recvtag", 0),
             ("shape", tuple(x.shape))))
@@ -349,7 +348,7 @@ def _pbroadcast(x, who, *, source):
         raise ValueError(f"jax.lax.pbroadcast: source={source} is not one of the {who.count} "
                          "participants")
     if who.layout == PER_DEVICE:
-        return bind(_blocks.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
+        return bind(blocks.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
     if not who.meets():
         raise NotImplementedError(
             "jax.lax.pbroadcast over the ranks and a local axis on GPUs: use it over "
@@ -383,8 +382,8 @@ def _in_groups(name, who, groups):
     me = who.comm.rank  # one device per process: the communicator ranks are the indices
     number = next(g for g, group in enumerate(groups) if me in group)
     source, color = who.split_from
-    comm = _mesh_groups.group_communicator(source, groups, color * len(groups) + number,
-                               groups[number].index(me))
+    comm = mesh_groups.group_communicator(source, groups, color * len(groups) + number,
+                                          groups[number].index(me))
     grouped = _Participants(comm, PER_DEVICE, len(groups[number]))
     grouped.axes = who.axes
     return grouped
@@ -394,15 +393,15 @@ def _in_groups(name, who, groups):
 def _in_groups_over_devices(name, who, groups):
     """The participants of this device's group where the participants span several
     devices of each process: the groups as a finer grouping of the mesh's devices
-    (_mesh_groups.grouping), whose devices meet per group in mpicoll's handler, or
+    (mesh_groups.grouping), whose devices meet per group in mpicoll's handler, or
     go one device per process where each group takes one device of each."""
     if who.layout == RANKS_X_AXIS:  # mpicoll.mesh(): RANKS x a local axis, rank-major
         names, sizes = (RANKS, who.local_axis), (who.comm.size, who.local)
     else:
         (names, sizes, _), _ = who.split_from
     processes = MPI.COMM_WORLD.Get_size()  # world(): COMM_WORLD, process-major as the mesh
-    layout, placed = _mesh_groups.grouping(tuple(names), tuple(sizes), tuple(who.axes),
-                                           processes, math.prod(sizes) // processes, groups)
+    layout, placed = mesh_groups.grouping(tuple(names), tuple(sizes), tuple(who.axes),
+                                          processes, math.prod(sizes) // processes, groups)
     if layout is None:
         raise NotImplementedError(
             f"jax.lax.{name} over {who.axes!r} with axis_index_groups="
@@ -410,8 +409,8 @@ def _in_groups_over_devices(name, who, groups):
             f"processes ({placed}); use groups that take the same local devices of each "
             "process they span (or one device of each)")
     color, key, *whole = placed[MPI.COMM_WORLD.Get_rank()]
-    comm = _mesh_groups.grouped_communicator((names, sizes, tuple(who.axes), groups), color,
-                                             key)
+    comm = mesh_groups.grouped_communicator((names, sizes, tuple(who.axes), groups), color,
+                                            key)
     order, per_group, device_groups = whole or (None, 1, ())
     grouped = _Participants(comm, layout, comm.size * per_group, local=per_group, order=order,
                             groups=device_groups)
@@ -487,7 +486,7 @@ def _route(name, args, params):
     its axes span MPI ranks (_participants); else NotImplemented."""
     axes = _axes(name, params)
     if name == "axis_index" and axes == (RANKS,) and RANKS in _compat.manual_mesh_axes():
-        return _typing.typed_input(jnp.int32(_typing.world().rank))
+        return varying.typed_input(jnp.int32(varying.world().rank))
     if any(isinstance(axis, int) for axis in axes):
         if RANKS in axes:
             raise NotImplementedError(f"jax.lax.{name}: positional axes cannot be combined "
@@ -506,5 +505,5 @@ def _route(name, args, params):
     return route(x, who, params)
 
 
-_compat.size_axis(RANKS, lambda: _typing.world().size)
+_compat.size_axis(RANKS, lambda: varying.world().size)
 _compat.route_lax_collectives(_route)

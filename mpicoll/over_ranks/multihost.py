@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils as _jax_utils
 
-from ..ops import collectives as api, vector
+from ..ops import collectives, vector
 
 _JAX_OWN = {"process_allgather": _jax_utils.process_allgather,
             "broadcast_one_to_all": _jax_utils.broadcast_one_to_all}
@@ -46,7 +46,7 @@ def _gather_own(x, tiled):
     host = np.asarray(x)
     if host.ndim == 0 or not tiled:
         host = host[None]
-    rows = np.asarray(api.allgather(_host(host)))  # (processes, *host.shape)
+    rows = np.asarray(collectives.allgather(_host(host)))  # (processes, *host.shape)
     return rows.reshape((-1, *rows.shape[2:]))
 
 
@@ -105,8 +105,8 @@ def broadcast_one_to_all(in_tree, is_source=None):
         x = np.asarray(x)
         mine = _host(x if is_source else np.zeros_like(x))
         if mine.dtype == jnp.bool_:  # JAX's sum in bool: whether any source holds True
-            return np.asarray(api.allreduce(mine, op="lor"))
-        return np.asarray(api.allreduce(mine))
+            return np.asarray(collectives.allreduce(mine, op="lor"))
+        return np.asarray(collectives.allreduce(mine))
 
     return jax.tree.map(spread, in_tree)
 

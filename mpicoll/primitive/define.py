@@ -19,8 +19,9 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from .. import _compat
-from ..runtime import native as _native, dtypes as _types
-from . import sharded, spec as _spec, varying as _typing
+from ..runtime import native, dtypes
+from . import sharded, varying
+from .spec import SPECS
 
 
 class MPIEffect(_compat.Effect):
@@ -38,7 +39,7 @@ _compat.register_ordered_effect(MPIEffect)
 # runs (failures.py), which is how it knows a program is new.
 _call_sites = itertools.count(1)
 
-# Set while an eager call compiles its program (_dispatch.run_eagerly): JAX caches
+# Set while an eager call compiles its program (dispatch.run_eagerly): JAX caches
 # that program by signature, so its site's source line is the first caller's, and
 # every-call checks compare the sites of jitted calls only.
 lowering_eagerly = [False]
@@ -75,8 +76,8 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
         attributes["site"] = next(_call_sites)
         where = _compat.user_source_line(ctx, _PACKAGE)
         if where:
-            _native.extension.describe_site(attributes["site"], where,
-                                            not lowering_eagerly[0])
+            native.extension.describe_site(attributes["site"], where,
+                                           not lowering_eagerly[0])
     attributes = {name: np.int64(value) if isinstance(value, (int, np.integer)) else value
                   for name, value in attributes.items()}
     token, *outs = call(_compat.with_token_avals(ctx), token, *operands, **attributes)
@@ -126,7 +127,7 @@ def _backend_present(platform):
 
 
 def _lowering_for(primitive, platform, rule):
-    if platform in _native.PLATFORMS:
+    if platform in native.PLATFORMS:
         return rule
     name = primitive.name.removeprefix("mpicoll_")
 
@@ -229,18 +230,18 @@ def _tangent(spec, x, y, t, params):
     """The tangent of a non-linear reduction (op != sum)."""
     if spec.reduction_jvp is None:
         raise NotImplementedError(
-            f"mpicoll.{spec.name}: op={_types.OP_NAMES[params['op']]!r} has no derivative "
+            f"mpicoll.{spec.name}: op={dtypes.OP_NAMES[params['op']]!r} has no derivative "
             "(only op='sum' is differentiable)")
     return spec.reduction_jvp(x, y, t, params)
 
 
 def _nonlinear(spec, params):
-    return spec.reduces and params["op"] != _types.SUM
+    return spec.reduces and params["op"] != dtypes.SUM
 
 
 def _single_array_primitive(spec):
     def abstract_eval(x, *, ordered, **params):
-        return _typing.typed_output(spec, x, spec.out_shape(x.shape, params), params), \
+        return varying.typed_output(spec, x, spec.out_shape(x.shape, params), params), \
             _effects(ordered)
 
     def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), overlapped=False,
@@ -286,12 +287,12 @@ def _single_array_primitive(spec):
     def transpose(ct, x, **params):
         if _nonlinear(spec, params):
             raise NotImplementedError(f"mpicoll.{spec.name}: "
-                                      f"op={_types.OP_NAMES[params['op']]!r} "
+                                      f"op={dtypes.OP_NAMES[params['op']]!r} "
                                       "is not linear and cannot be transposed")
-        _typing.check_reverse_mode(spec.name, params)
+        varying.check_reverse_mode(spec.name, params)
         if type(ct) is _compat.Zero:
             return [_compat.zero_tangent(x.aval)]
-        return [_typing.typed_like(spec.transpose(ct, params), x.aval, params)]
+        return [varying.typed_like(spec.transpose(ct, params), x.aval, params)]
 
     _compat.register_batching(primitive, batch)
     _compat.register_jvp(primitive, jvp)
@@ -308,7 +309,7 @@ def _fused_primitive(spec, single):
     vmap and the forward pass stay fused; cotangents run per array.
     """
     def abstract_eval(*xs, ordered, **params):
-        return [_typing.typed_output(spec, x, spec.out_shape(x.shape, params), params)
+        return [varying.typed_output(spec, x, spec.out_shape(x.shape, params), params)
                 for x in xs], _effects(ordered)
 
     def lowering(ctx, *xs, comm, size, root, op, ordered, alias, overlapped=False,
@@ -360,7 +361,7 @@ def _fused_primitive(spec, single):
 
 
 # The extension's table of collectives (csrc/ops.def), by name.
-_NATIVE_COLLECTIVES = _native.extension.collectives()
+_NATIVE_COLLECTIVES = native.extension.collectives()
 _NATIVE_FAMILIES = {"blocks": "blocks", "vector": "vector", "vector_pairs": "vector",
                     "peer": "peer"}
 
@@ -378,8 +379,8 @@ def define(spec):
             or bool(row["rooted"]) != spec.has_root):
         raise AssertionError(f"mpicoll: the spec of {spec.name} disagrees with the "
                              f"extension's row {row}")
-    assert spec.name not in _spec.SPECS, f"{spec.name} is defined twice"
-    _spec.SPECS[spec.name] = spec
+    assert spec.name not in SPECS, f"{spec.name} is defined twice"
+    SPECS[spec.name] = spec
     single = _single_array_primitive(spec)
     spec.owns(single, _fused_primitive(spec, single) if spec.family == "blocks" else None)
     return spec

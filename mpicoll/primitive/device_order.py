@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from .. import _compat
-from ..runtime import native as _native, settings as _settings
+from ..runtime import native, settings
 from .._compat import dispatch_hooks
 from .define import MPIEffect, lowering_eagerly
 
@@ -313,17 +313,17 @@ class DeviceOrderDispatch:
 # device and program in "device-order" mode).
 MAX_MULTI_DEVICE_AHEAD = 8
 RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path(MAX_MULTI_DEVICE_AHEAD)
-# Serialized mode (_native.SERIALIZED): a program's MPI calls are all done when
+# Serialized mode (native.SERIALIZED): a program's MPI calls are all done when
 # its dispatch returns, so none is in flight while Python (and mpi4py) runs.
-# Eager calls complete before returning anyway (_dispatch.bind).
-if _native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
+# Eager calls complete before returning anyway (dispatch.bind).
+if native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
     raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
                       f"program, which this JAX ({jax.__version__}) does not let it do; use "
                       "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
 
 DISPATCH_MODES = ("device-order", "tokens")
 _device_order = DeviceOrderDispatch(MPIEffect)
-DEVICE_ORDER_AVAILABLE = not _native.SERIALIZED and _device_order.install()
+DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _device_order.install()
 
 
 def set_dispatch(mode):
@@ -371,7 +371,7 @@ def set_dispatch(mode):
         raise ValueError(
             "mpicoll.set_dispatch: 'device-order' is not available "
             + ("at MPI_THREAD_SERIALIZED, where each dispatch waits for its program"
-               if _native.SERIALIZED else
+               if native.SERIALIZED else
                f"with this JAX ({jax.__version__}), whose internals mpicoll does not "
                "recognize; programs keep JAX's runtime tokens"))
     previous = dispatch_mode()
@@ -392,9 +392,9 @@ def dispatch_mode():
     return "device-order" if _device_order.active else "tokens"
 
 
-def set_dispatch_from_settings(settings):
+def set_dispatch_from_settings(current):
     """MPICOLL_DISPATCH, or (default) device-order where it is available, else tokens."""
-    set_dispatch(settings.dispatch if settings.dispatch != "default" else
+    set_dispatch(current.dispatch if current.dispatch != "default" else
                  ("device-order" if DEVICE_ORDER_AVAILABLE else "tokens"))
 
 
@@ -420,4 +420,4 @@ def _cpu_only_process():
     return jax.default_backend() == "cpu"  # no accelerator: every array is on a CPU device
 
 
-set_dispatch_from_settings(_settings.current())
+set_dispatch_from_settings(settings.current())

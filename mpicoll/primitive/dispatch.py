@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from . import define as _primitive, varying as _typing, validate as _validate, overlap, sharded
-from ..runtime import dtypes as _types, comm as comm_layer, faults as _faults
+from . import define, varying, validate, overlap, sharded
+from ..runtime import dtypes, comm as comm_layer, faults
 from .device_order import after_pending_programs
 
 
@@ -31,7 +31,7 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     Point-to-point rejections are not compared across the communicator: only
     two of its ranks take part in a message.
     """
-    agree = _validate.agreed if spec.family != "peer" else _validate.alone
+    agree = validate.agreed if spec.family != "peer" else validate.alone
     # An array over several local devices: each moves its shard (point-to-point
     # calls, whose shapes are static arguments, take that path in ops/p2p.py).
     if layout is None and spec.family != "peer":
@@ -45,9 +45,9 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
         after_pending_programs()
         return run_eagerly(program, x)
     info = comm_layer.resolve(comm, spec.name)
-    x, params = agree(info, spec.name, _validate.validated_params, spec, x, info, root, op,
+    x, params = agree(info, spec.name, validate.validated_params, spec, x, info, root, op,
                       transpose_sums, static)
-    x, params = _typing.typed_input(x, info), _typing.typed_params(params)
+    x, params = varying.typed_input(x, info), varying.typed_params(params)
     if overlap.active() if overlapped is None else overlapped:
         params["overlapped"] = True
     return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
@@ -131,14 +131,14 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     (after_pending_programs), so it cannot be overtaken.
     """
     info = None if comm is None else comm_layer.resolve(comm, spec.name)
-    x = _validate.as_array(x, spec.name)  # numpy arrays and scalars run the same program
+    x = validate.as_array(x, spec.name)  # numpy arrays and scalars run the same program
     cacheable = type(root) is int and (op is None or type(op) is str)
     key = ((spec.name, info and info.slot, root, op, transpose_sums, x.dtype, x.shape, static)
            if cacheable else None)
     program = _EAGER_PROGRAMS.get(key)
     if program is None:
         info = info or comm_layer.resolve(None, spec.name)
-        x, params = _validate.validated_params(spec, x, info, root, op, transpose_sums, static)
+        x, params = validate.validated_params(spec, x, info, root, op, transpose_sums, static)
         program = _eager_program(spec, tuple(params.items()))
         if cacheable:
             _EAGER_PROGRAMS[key] = program
@@ -156,7 +156,7 @@ def run_eagerly(program, x):
     (the try costs nothing until something is raised).
     """
     try:
-        _primitive.lowering_eagerly[0] = True  # its call site is not compared (see there)
+        define.lowering_eagerly[0] = True  # its call site is not compared (see there)
         try:
             if _compat.context_mesh_set():  # the program names its own devices
                 with _compat.no_context_mesh():
@@ -164,18 +164,18 @@ def run_eagerly(program, x):
             else:
                 out = program(x)
         finally:
-            _primitive.lowering_eagerly[0] = False
+            define.lowering_eagerly[0] = False
         return out.block_until_ready() if isinstance(out, jax.Array) else jax.block_until_ready(out)
     except ValueError as error:
         runtime_error = _compat.runtime_error_from_fast_path(error)
         if runtime_error is None:
             raise
-        lost = _faults.as_rank_lost(runtime_error)
+        lost = faults.as_rank_lost(runtime_error)
         if lost is not None:
             raise lost from runtime_error
         raise runtime_error.with_traceback(error.__traceback__) from None
     except jax.errors.JaxRuntimeError as error:
-        lost = _faults.as_rank_lost(error)
+        lost = faults.as_rank_lost(error)
         if lost is None:
             raise
         raise lost from error
@@ -217,14 +217,14 @@ def collective(spec, x, **kwargs):
             bind(spec, leaf, layout=layout or sharded.Layout(laid_out.mesh, (), jnp.ndim(leaf)),
                  **kwargs)
             for leaf, layout in zip(leaves, layouts)])
-    leaves = _validate.agreed(kwargs["comm"], spec.name, _validate.each_leaf, x, leaves,
-                              lambda leaf: _validate.as_array(leaf, spec.name))
+    leaves = validate.agreed(kwargs["comm"], spec.name, validate.each_leaf, x, leaves,
+                             lambda leaf: validate.as_array(leaf, spec.name))
     info = kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
-    checks = functools.partial(_validate.check_leaves, info=info, root=kwargs.get("root", 0),
+    checks = functools.partial(validate.check_leaves, info=info, root=kwargs.get("root", 0),
                                op=kwargs.get("op"))
-    _validate.agreed(info, spec.name, checks, spec, x, leaves)  # every leaf, before any MPI
+    validate.agreed(info, spec.name, checks, spec, x, leaves)  # every leaf, before any MPI
     if spec.reduces:
-        kwargs["op"] = _types.op_name(kwargs["op"], spec.name)
+        kwargs["op"] = dtypes.op_name(kwargs["op"], spec.name)
     if not _compat.at_top_level():  # one program for the tree, its messages in order
         program = _fused_program(spec, ordered=True, alias=True, overlapped=overlap.active(),
                                  **kwargs)
@@ -277,13 +277,13 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
             results[indices[0]] = bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
                                        overlapped=overlapped, **kwargs)
             continue
-        _, params = _validate.validated_params(spec, leaves[indices[0]], kwargs["comm"],
-                                               kwargs.get("root", 0), kwargs.get("op"), False)
+        _, params = validate.validated_params(spec, leaves[indices[0]], kwargs["comm"],
+                                              kwargs.get("root", 0), kwargs.get("op"), False)
         if overlapped:
             params["overlapped"] = True
         outs = spec.fused.bind(
-            *(_typing.typed_input(leaves[i], kwargs["comm"]) for i in indices),
-            **_typing.typed_params(params),
+            *(varying.typed_input(leaves[i], kwargs["comm"]) for i in indices),
+            **varying.typed_params(params),
             ordered=ordered, alias=alias)
         for i, out in zip(indices, outs):
             results[i] = out

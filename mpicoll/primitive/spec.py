@@ -3,7 +3,7 @@ of every spec, and the docstring filler of the public functions.
 
 A spec gives what differs between collectives (the output shape rule, whether
 it takes a root and a reduction op, its vmap and autodiff hooks); one mechanism
-(_primitive.define) turns it into a JAX primitive.  The families:
+(define.py) turns it into a JAX primitive.  The families:
 "blocks" (ops/blocks.py: equal rank blocks, pytrees fuse), "vector" (vector.py:
 counts per rank) and "peer" (p2p.py: point-to-point).  The extension's own table
 of collectives (csrc/ops.def) is the other half of a row; `define` checks that
@@ -58,7 +58,7 @@ class Collective:
     reduction_jvp: Callable = None
     not_differentiable: str = None
     replicates: bool = False  # the output is identical on every rank of comm
-    # Set once by _primitive.define: the primitive of one array, and (blocks
+    # Set once by define.define: the primitive of one array, and (blocks
     # family) the fused one of n arrays of one dtype in one message.
     primitive: object = dataclasses.field(default=None, compare=False, repr=False)
     fused: object = dataclasses.field(default=None, compare=False, repr=False)
@@ -72,7 +72,7 @@ class Collective:
         return self.primitive.bind(x, **{**params, **changes, "ordered": True, "alias": True})
 
     def owns(self, primitive, fused=None):
-        """Record the primitives _primitive.define made for this spec (once)."""
+        """Record the primitives define.define made for this spec (once)."""
         assert self.primitive is None, f"{self.name} is defined twice"
         object.__setattr__(self, "primitive", primitive)  # frozen: set once, here
         object.__setattr__(self, "fused", fused)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from ..runtime import dtypes as _types, comm as comm_layer
-from . import varying as _typing
+from ..runtime import dtypes, comm as comm_layer
+from . import varying
 from ..observe import failures
 from ..runtime.native import extension
 
@@ -72,14 +72,14 @@ def validated_params(spec, x, info, root, op, transpose_sums, static=()):
     static arguments as (name, value) pairs (spec.check).
     """
     x = as_array(x, spec.name)
-    _types.dtype_family(x.dtype, spec.name)
+    dtypes.dtype_family(x.dtype, spec.name)
     root = check_root(root, info.size, spec.name) if spec.has_root else 0
-    op_code = _types.op_code(op, x.dtype, spec.name) if spec.reduces else -1
+    op_code = dtypes.op_code(op, x.dtype, spec.name) if spec.reduces else -1
     if spec.leading_axis_is_size and (x.ndim == 0 or x.shape[0] != info.size):
         raise ValueError(f"mpicoll.{spec.name}: x must have shape (comm size, ...) = "
                          f"({info.size}, ...), got {tuple(x.shape)}")
     params = dict(comm=info.slot, size=info.size, root=root, op=op_code,
-                  transpose_sums=bool(transpose_sums), checked_ad=_typing.autodiff_checked())
+                  transpose_sums=bool(transpose_sums), checked_ad=varying.autodiff_checked())
     if spec.check is not None:
         params.update(spec.check(x, info, **dict(static)))
     return x, params

@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from .. import _compat
-from ..runtime import settings as _settings, comm as comm_layer
+from ..runtime import settings, comm as comm_layer
 
 RANKS = "mpicoll.RANKS"
 
@@ -201,8 +201,8 @@ def check_invariant(leaf):
 # convention (mpi4jax's, which mpicoll.mpi4jax sets); the sum convention of
 # pmap (transpose_sums, every value per rank) is always well defined.
 
-AUTODIFF_MODES = _settings.AUTODIFF_MODES
-_autodiff = _settings.current().autodiff
+AUTODIFF_MODES = settings.AUTODIFF_MODES
+_autodiff = settings.current().autodiff
 _convention_scope = threading.local()  # mpicoll.mpi4jax's calls: mpi4jax's convention
 
 

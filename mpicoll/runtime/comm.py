@@ -24,7 +24,7 @@ import jax
 from mpi4py import MPI
 
 from .. import _compat
-from . import native as _native, settings as _settings
+from . import native, settings
 from .native import extension
 
 _BUILD = extension.build_info()
@@ -117,7 +117,7 @@ def _register(comm, caller):
     if local_devices > _BUILD["max_local_devices"]:
         raise RuntimeError(f"mpicoll.{caller}: {local_devices} local devices; this build "
                            f"supports {_BUILD['max_local_devices']}")
-    if _native.SERIALIZED and local_devices > 1:
+    if native.SERIALIZED and local_devices > 1:
         raise RuntimeError(
             f"mpicoll.{caller}: MPI runs at MPI_THREAD_SERIALIZED, where mpicoll allows one "
             f"local device per process, but JAX has {local_devices} here: their threads would "
@@ -233,7 +233,7 @@ def _open_side_channel(comm):
     if _side_channel is not None or MPI.Comm.Compare(comm, MPI.COMM_WORLD) != MPI.IDENT \
             or MPI.COMM_WORLD.Get_size() == 1:  # nobody to ask
         return
-    if _native.SERIALIZED:
+    if native.SERIALIZED:
         _side_channel = MPI.COMM_WORLD.Dup()
         _side_channel.Set_name("mpicoll:watchdog")
         _side_channel.Set_errhandler(MPI.ERRORS_RETURN)
@@ -254,7 +254,7 @@ def _open_side_channel(comm):
     # The timeline's clocks: measured where a trace may need them (a trace from
     # import, or one started in code on ranks of several hosts; one host's ranks
     # share its steady clock).
-    if _settings.current().trace or len(set(_world_hosts)) > 1:
+    if settings.current().trace or len(set(_world_hosts)) > 1:
         extension.set_clock_offset(_clock_offset(_side_channel))
 
 

@@ -31,21 +31,21 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
 from report import report_and_exit  # noqa: E402
-from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
-from mpicoll.runtime import settings as _settings  # noqa: E402
-from mpicoll.ops import local_meeting as _local_meeting  # noqa: E402
+from mpicoll.ops import ranks_devices  # noqa: E402
+from mpicoll.runtime import settings  # noqa: E402
+from mpicoll.ops import local_meeting  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 DEVICES = jax.local_devices()[:LOCAL]
 MESH = Mesh(np.array(DEVICES), ("i",))
-THRESHOLD = int(_ranks_devices.local_combine_bytes(LOCAL))
+THRESHOLD = int(ranks_devices.local_combine_bytes(LOCAL))
 failures = []
 
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
-    stray = jax.jit(lambda v: _local_meeting.meet(
+    stray = jax.jit(lambda v: local_meeting.meet(
         v, "allreduce", mpicoll.runtime.comm.resolve(None, "test"), 2, axis_name="i"))
     stray(np.ones(3)).block_until_ready()
     print("stray call returned", flush=True)
@@ -99,7 +99,7 @@ def shard_mapped(fn, check_vma):
 
 def composed(trace):
     """trace() with the lax composition (the GPU path) at every size."""
-    with _ranks_devices.composed_on_cpu():
+    with ranks_devices.composed_on_cpu():
         return trace()
 
 
@@ -142,7 +142,7 @@ for size_name, count in SIZES.items():
 # The composition (the GPU path, traced here on CPU) splits its MPI work
 # over the devices above split_allreduce_bytes(L), which falls as 1 / (L - 1).
 if LOCAL > 1:
-    edge = int(_ranks_devices.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
+    edge = int(ranks_devices.split_allreduce_bytes(LOCAL)) // 4  # float32 elements
     for count, splits in ((edge - 1, False), (edge + 3, True)):
         mine = my_data(count, np.float32, 90)
         fn = lambda v: mpicoll.allreduce(v, axis_name="i")  # noqa: E731

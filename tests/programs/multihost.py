@@ -43,8 +43,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll.ops import ranks_devices as _ranks_devices  # noqa: E402
-from mpicoll.runtime import settings as _settings  # noqa: E402
+from mpicoll.ops import ranks_devices  # noqa: E402
+from mpicoll.runtime import settings  # noqa: E402
 from mpicoll import topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -205,7 +205,7 @@ def section_global():
     devices = jax.local_devices()
     mesh = Mesh(np.array(devices), ("d",))
     # float32 elements just above the split threshold (odd: the split pads)
-    split = int(_ranks_devices.split_allreduce_bytes(local)) // 4 + 3
+    split = int(ranks_devices.split_allreduce_bytes(local)) // 4 + 3
     cases = {
         # the allreduce's three paths; "small" and "split" as with the combine off
         # (GPUs, mpicoll.overlap()), which tracing with LOCAL_COMBINE_BYTES = 0 gives
@@ -229,7 +229,7 @@ def section_global():
         mine = np.stack([rank_input(shape, dtype, RANK * local + k, "sum") for k in range(local)])
         combine_off = name in ("allreduce-sum-small", "allreduce-sum-split")
         for how in ("pmap", "shard_map"):
-            with _settings.override(local_combine_bytes=0 if combine_off else None):
+            with settings.override(local_combine_bytes=0 if combine_off else None):
                 if how == "pmap":
                     out = jax.pmap(fn, axis_name="d", devices=devices)(mine)
                 else:

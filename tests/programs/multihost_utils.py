@@ -24,13 +24,13 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mpicoll.distributed  # noqa: E402
-from mpicoll.over_ranks import multihost as _multihost  # noqa: E402
+from mpicoll.over_ranks import multihost  # noqa: E402
 from report import report_and_exit  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 failures = []
 mpicoll.distributed.initialize(initialization_timeout=60)
-JAX_OWN = _multihost._JAX_OWN
+JAX_OWN = multihost._JAX_OWN
 
 
 def outcome(call):
@@ -57,8 +57,8 @@ def same(name, ours, theirs, expected=None):
 
 
 def check_installed():
-    if multihost_utils.process_allgather is not _multihost.process_allgather or \
-            multihost_utils.broadcast_one_to_all is not _multihost.broadcast_one_to_all:
+    if multihost_utils.process_allgather is not multihost.process_allgather or \
+            multihost_utils.broadcast_one_to_all is not multihost.broadcast_one_to_all:
         failures.append("multihost_utils is not mpicoll's after initialize()")
 
 
@@ -115,7 +115,7 @@ def with_jax_own(call):
     try:
         return call()
     finally:
-        _multihost.install()
+        multihost.install()
 
 
 for name, call in [
