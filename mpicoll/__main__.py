@@ -35,7 +35,11 @@ commands:
           merge every rank's timeline in DIR (MPICOLL_TRACE=DIR, mpicoll.trace(DIR)) onto
           one clock: writes DIR/merged.json (wait and transfer spans, for ui.perfetto.dev)
           and DIR/timeline.svg, and prints each rank's wait and transfer and names the
-          straggler, each call site's first call (compilation) left out (--all: counted)"""
+          straggler, each call site's first call (compilation) left out (--all: counted)
+  stacks [PID]
+          where every rank of a live job is: its collective, or its Python stack (main
+          thread, and threads inside JAX); asks one rank on this host (PID, else the job's
+          rank 0 here) with SIGUSR2, which asks the others (run it outside mpiexec)"""
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
@@ -439,7 +443,23 @@ def trace(argv):
     return 0
 
 
-COMMANDS = {"info": info, "flight": flight, "trace": trace}
+def stacks(argv):
+    """`stacks [PID]`: where every rank of a live job is, asked through one rank on this host."""
+    from .observe import stacks as _stacks
+
+    if len(argv) > 1 or (argv and not argv[0].isdigit()):
+        print(f"python -m mpicoll stacks: give at most one process id\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        pid = int(argv[0]) if argv else _stacks.choose_process(_stacks.mpicoll_processes())
+        print(_stacks.ask(pid), end="")
+    except (LookupError, TimeoutError, ProcessLookupError, PermissionError) as error:
+        print(f"python -m mpicoll stacks: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = {"info": info, "flight": flight, "trace": trace, "stacks": stacks}
 
 
 def run(argv):

@@ -254,3 +254,107 @@ def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames(ca
     # mpicoll too: docs/install.md clones into one).
     package = str(Path(__file__).resolve().parent.parent / "mpicoll") + "/"
     assert "stall.py" in traceback and package not in traceback, traceback
+
+
+# --- Where every rank is: Python stacks in reports, records gathered (issue 46) -----------
+
+def _per_rank_temp_dirs(base, ranks, argv):
+    """argv run with TMPDIR=base/<rank>: each rank's temporary folder apart, as on separate
+    hosts without shared storage."""
+    for r in range(ranks):
+        (base / str(r)).mkdir(parents=True)
+    rank = "${PMI_RANK:-$OMPI_COMM_WORLD_RANK}"
+    return ["sh", "-c", f'TMPDIR="{base}/{rank}" exec "$0" "$@"', *map(str, argv)]
+
+
+def _stack_of(lines, rank):
+    """The Python stack lines under rank `rank`'s line in a report's lines."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"rank {rank} ("))
+    stack = []
+    for line in lines[start + 1:]:
+        if line.startswith("rank ") or line.startswith("flight records") or line.startswith("("):
+            break
+        stack.append(line)
+    return stack
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_busy_rank_is_shown_where_it_is_in_its_python_code(ranks, tmp_path):
+    # Rank 1 in a numpy loop (2 ranks) or asleep in Python (3 ranks), rank 2 in a C
+    # function holding the GIL: each answers with its main thread's frames,
+    # innermost first, with their source lines.  Each rank's temporary folder is
+    # its own: the report's folder holds every rank's records all the same.
+    argv = _per_rank_temp_dirs(tmp_path, ranks, [sys.executable, PROGRAM, "busy", "3"])
+    result = run_mpiexec(ranks, argv, timeout=180, env={
+        "MPICOLL_STALL_REPORT": "1", "MPICOLL_TIMEOUT": "60", "MPICOLL_FLIGHT_DIR": ""})
+    assert result.returncode == 0 and result.output.count(": done") == ranks, result.summary()
+    reports = _reports(result.output)
+    assert reports, result.summary()
+    _, lines = reports[0]
+    expected = {1: ("multiply_matrices", "a = np.tanh(a @ a)") if ranks == 2
+                else ("load_batch", "time.sleep(seconds)"),
+                2: ("hold_the_gil", "ctypes.PyDLL(None).usleep(int(seconds * 1e6))")}
+    for rank in range(1, ranks):
+        function, source = expected[rank]
+        stack = _stack_of(lines, rank)
+        assert stack[0] == "Python, main thread (innermost first):", lines
+        assert re.fullmatch(rf"tests/programs/stall\.py:\d+ in {function}: "
+                            rf"{re.escape(source)}.*", stack[1]), lines
+        assert re.fullmatch(r"tests/programs/stall\.py:\d+ in <module>: \w+\(SLEEP\)",
+                            stack[2]), lines
+    # Rank 0 waits in the collective: the report names its call, no stack.
+    folder = Path(re.search(r"flight records: (\S+)/rank\*\.json", result.output).group(1))
+    assert folder.parent == tmp_path / "0", folder
+    assert sorted(p.name for p in folder.glob("rank*.json")) == \
+        [f"rank{r}.json" for r in range(ranks)], list(folder.iterdir())
+    for r in range(1, ranks):  # each other rank's own copy stays in its own folder
+        assert (tmp_path / str(r) / folder.name / f"rank{r}.json").exists()
+    status, text = _flight(folder)
+    assert "no flight records" not in text and all(f"rank {r} (" in text for r in range(ranks)), \
+        text
+
+
+def test_python_m_mpicoll_stacks_shows_every_rank_of_a_live_job():
+    # Rank 1 asks, from a thread, while its main thread sleeps and rank 0 waits.
+    result = run_mpiexec(2, [sys.executable, PROGRAM, "stacks", "4"],
+                         env={"MPICOLL_STALL_REPORT": "60"}, timeout=180)
+    assert result.returncode == 0, result.summary()
+    assert "found rank 0's process as rank 0" in result.output, result.summary()
+    answer = result.stdout.split("stacks exit 0\n", 1)[1]
+    lines = [line.strip() for line in answer.splitlines()]
+    assert lines[0] == "mpicoll: where every rank is (asked on rank 0)", answer
+    assert re.fullmatch(r"rank 0 \(.*\): in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, "
+                        r"sequence 2, called at .*stall\.py:\d+ \(<lambda>\) for [\d.]+ s",
+                        lines[1]), answer
+    assert re.fullmatch(r"tests/programs/stall\.py:\d+ in <module>: "
+                        r"summed\(jnp\.ones\(4\)\)\.block_until_ready\(\)", _stack_of(lines, 0)[1])
+    assert re.fullmatch(r"rank 1 \(.*\): not in an mpicoll collective for [\d.]+ s",
+                        lines[lines.index(_stack_of(lines, 0)[-1]) + 1]), answer
+    assert re.fullmatch(r"tests/programs/stall\.py:\d+ in load_batch: time\.sleep\(seconds\)",
+                        _stack_of(lines, 1)[1]), answer
+    # The job's own output has it too (printed by the rank asked).
+    assert result.stderr.count("mpicoll: where every rank is") == 1, result.summary()
+
+
+def test_the_rank_printing_a_traceback_gathers_the_records_of_the_others(tmp_path):
+    argv = _per_rank_temp_dirs(tmp_path, 2, [sys.executable, PROGRAM, "raise-one"])
+    result = run_mpiexec(2, argv, timeout=180, env={"MPICOLL_FLIGHT_DIR": ""})
+    assert result.returncode != 0, result.summary()
+    folder = Path(re.search(r"the ranks' last collectives: (\S+)/rank\*\.json",
+                            result.output).group(1))
+    assert folder.parent == tmp_path / "1", result.summary()
+    reasons = {int(p.stem[4:]): json.loads(p.read_text())["otherData"]["reason"]
+               for p in folder.glob("rank*.json")}
+    assert reasons == {0: "aborted by rank 1", 1: "an uncaught exception on this rank"}, reasons
+
+
+def test_a_process_reads_its_own_python_stack_as_a_report_prints_it():
+    from mpicoll.runtime.native import extension
+
+    text = extension.python_stacks()  # read as the watchdog reads it: without the GIL
+    lines = text.splitlines()
+    assert lines[0] == "    Python, main thread (innermost first):", text
+    assert re.fullmatch(r"      tests/test_watchdog\.py:\d+ in "
+                        r"test_a_process_reads_its_own_python_stack_as_a_report_prints_it: "
+                        r"text = extension\.python_stacks\(\)  # read as .*", lines[1]), text
+    assert len(lines) == 5 and all(" in " in line for line in lines[1:]), text  # 4 frames

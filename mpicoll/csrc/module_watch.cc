@@ -109,6 +109,41 @@ PyObject* PyAnnounceAbort(PyObject*, PyObject* arg) {
   return PyLong_FromLong(printing);
 }
 
+// The rank that prints the traceback ending the job: the other ranks' records
+// into its folder (GatherRecords), before it aborts.
+PyObject* PyGatherRecords(PyObject*, PyObject* arg) {
+  const double seconds = PyFloat_AsDouble(arg);
+  if (seconds == -1.0 && PyErr_Occurred()) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  GatherRecords(seconds);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+// At import, with the GIL: the main thread's identifier
+// (threading.main_thread().ident), mpicoll's package folder, and the
+// interpreter, for the watchdog to read Python stacks
+// without the GIL (core/python_stacks.h).
+PyObject* WatchPythonThreads(PyObject*, PyObject* args) {
+  unsigned long main_thread;
+  const char* package_dir;
+  if (!PyArg_ParseTuple(args, "ks", &main_thread, &package_dir)) return nullptr;
+  if (mpicoll_package_dir.empty()) mpicoll_package_dir = package_dir;  // before the watchdog reads it
+  python_main_thread.store(main_thread);
+  python_interpreter.store(PyInterpreterState_Get());
+  Py_RETURN_NONE;
+}
+
+// This process's Python stacks as a report prints them (tests, and a check
+// that this Python lets them be read).
+PyObject* PyPythonStacks(PyObject*, PyObject*) {
+  std::string text;
+  Py_BEGIN_ALLOW_THREADS
+  text = PythonStacks();
+  Py_END_ALLOW_THREADS
+  return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+}
+
 PyObject* PyStopWatchdog(PyObject*, PyObject*) {
   Py_BEGIN_ALLOW_THREADS
   StopWatchdog();
@@ -130,6 +165,7 @@ PyObject* SetFlight(PyObject*, PyObject* args) {
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
     flight_dir = dir;
     flight_root = dir[0] ? "" : root;
+    temp_dir = root;
   }
   if (!dir[0]) {
     const ProcessId me = ThisProcess();
@@ -281,6 +317,12 @@ PyMethodDef watch_methods[] = {
     {"set_world_processes", SetWorldProcessesPy, METH_O,
      "Every rank's (host, pid), in rank order."},
     {"flight_dir", FlightDir, METH_NOARGS, "The folder flight records are written to now."},
+    {"gather_records", PyGatherRecords, METH_O,
+     "Ask the other ranks for their flight records and write them beside this rank's."},
+    {"watch_python_threads", WatchPythonThreads, METH_VARARGS,
+     "Let the watchdog read this interpreter's stacks (main thread id, package folder)."},
+    {"python_stacks", PyPythonStacks, METH_NOARGS,
+     "This process's Python stacks as a report prints them."},
     {"open_side_channel", OpenSideChannel, METH_NOARGS,
      "Start opening the watchdogs' side channel (MPI_THREAD_MULTIPLE, at import)."},
     {"side_channel_handle", SideChannelHandle, METH_NOARGS,

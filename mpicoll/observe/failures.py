@@ -194,6 +194,8 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
         sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "
                          f"{world.Get_size()}{where}; aborting the job\n{text}")
         if _settings.current().flight_records:
+            sys.stderr.flush()
+            extension.gather_records(_GATHER_RECORDS_SECONDS)  # every rank's, beside this one's
             folder = extension.flight_dir()
             sys.stderr.write(f"mpicoll: the ranks' last collectives: {folder}/"
                              f"rank*.json (python -m mpicoll flight {folder})\n")
@@ -203,6 +205,8 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
 
 # How long a rank about to abort waits for ranks that raised at the same moment.
 _ABORT_SETTLE_MS = 100
+# How long the rank that prints the traceback waits for the others' flight records.
+_GATHER_RECORDS_SECONDS = 2.0
 
 
 _abort_installed = False
@@ -283,6 +287,9 @@ def _running(pid):
 def configure(settings):
     """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
+    # For reports' Python stacks (core/python_stacks.h): frames in this package are left out.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    extension.watch_python_threads(threading.main_thread().ident, package)
     world_size = MPI.COMM_WORLD.Get_size()
     abort = settings.abort_on_error if settings.abort_on_error is not None else world_size > 1
     if abort:

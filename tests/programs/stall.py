@@ -18,15 +18,25 @@
              the job goes on
   straggler  the last rank sleeps before each of 5 allreduces, on every local device
              (pmap): its timeline (MPICOLL_TRACE) shows the others waiting for it
+  busy       rank 0 waits in an allreduce while every other rank is busy for SLEEP s in
+             its own code: rank 1 in a numpy loop (2 ranks) or sleeping in Python (3
+             ranks), rank 2 in a C function that holds the GIL: the stall report shows
+             each one's Python stack; the job then completes
+  stacks     as `busy` at 2 ranks (rank 1 sleeps), and rank 1 runs `python -m mpicoll
+             stacks RANK0PID` from a thread meanwhile, printing what it says
 """
 
+import ctypes
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from mpi4py import MPI
 
 import mpicoll
@@ -83,6 +93,45 @@ elif CASE == "sigusr1":
             time.sleep(0.05)
         print(f"rank 0: flight dump {'written' if os.path.exists(path) else 'missing'}",
               flush=True)
+    summed(jnp.ones(4)).block_until_ready()
+elif CASE in ("busy", "stacks"):
+    pids = MPI.COMM_WORLD.allgather(os.getpid())
+
+    def load_batch(seconds):
+        time.sleep(seconds)
+
+    def multiply_matrices(seconds):
+        a = np.random.default_rng(0).random((600, 600))
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            a = np.tanh(a @ a)
+
+    def hold_the_gil(seconds):
+        ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # PyDLL: the GIL stays held
+
+    def ask_where_the_ranks_are():
+        time.sleep(SLEEP / 3)
+        launcher = ("PMI_", "PMIX_", "OMPI_", "HYDRA", "MPIR_", "SLURM_", "PRTE_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+        from mpicoll.observe import stacks
+        found = dict(stacks.mpicoll_processes())
+        print(f"found rank 0's process as rank {found.get(pids[0])}", flush=True)
+        done = subprocess.run([sys.executable, "-m", "mpicoll", "stacks", str(pids[0])], env=env,
+                              capture_output=True, text=True, timeout=60)
+        print(f"stacks exit {done.returncode}\n{done.stdout}{done.stderr}", flush=True)
+
+    if RANK > 0:
+        if CASE == "stacks":
+            asking = threading.Thread(target=ask_where_the_ranks_are)
+            asking.start()
+            load_batch(SLEEP)
+            asking.join()
+        elif RANK == 2:
+            hold_the_gil(SLEEP)
+        elif SIZE == 2:
+            multiply_matrices(SLEEP)
+        else:
+            load_batch(SLEEP)
     summed(jnp.ones(4)).block_until_ready()
 elif CASE == "straggler":
     per_device = jax.pmap(lambda x: mpicoll.allreduce(x))

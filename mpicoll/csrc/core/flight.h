@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <set>
 #include <mutex>
@@ -112,6 +113,7 @@ inline std::atomic<int64_t> trace_skip{0};           // each site's first N call
 inline std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
 inline std::mutex flight_setup_mutex;                // allocation and the directories
 inline std::string flight_dir, trace_dir;
+inline std::string temp_dir;                          // the temporary directory (stacks reports)
 inline std::atomic<int64_t> clock_offset_ns{0};      // rank 0's clock minus this one's (tracing)
 
 inline bool Recording() { return tracing.load(std::memory_order_relaxed) ||
@@ -268,10 +270,11 @@ inline std::string& HostName() {
 // trace too) or the timeline (the trace's alone).
 enum class Kept { kFlight, kTrace };
 
-// The records of every local device as a Chrome trace; `reason` says why it
-// was written.  Times in microseconds on this process's steady clock.
+// The records of every local device as a Chrome trace (each device's last
+// `last` of them); `reason` says why it was written.  Times in microseconds
+// on this process's steady clock.
 inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason,
-                               Kept kept) {
+                               Kept kept, size_t last = SIZE_MAX) {
   const bool all = kept == Kept::kTrace || tracing.load();
   const int64_t now = NowNs();
   // The reason may be a whole report: it is joined as a string, not formatted
@@ -321,6 +324,7 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
     }
     std::sort(in_order.begin(), in_order.end(),
               [](const auto& a, const auto& b) { return a.first < b.first; });
+    if (in_order.size() > last) in_order.erase(in_order.begin(), in_order.end() - last);
     for (const auto& [stamp, r] : in_order) {
       const int64_t finished = r->finished_ns.load(std::memory_order_acquire);
       std::string shape = "[";
@@ -363,18 +367,18 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
   return out + "\n]}\n";
 }
 
-// Writes the records to dir/rank<r>.json (through a temporary file, so a
-// reader never sees half a file); false where it cannot.
-inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
-                         const std::string& reason, Kept kept) {
+// Writes `text` to dir/name through a temporary file, so a reader never sees
+// half a file; false where it cannot.
+inline bool WriteFileAtomically(const std::string& dir, const std::string& name,
+                                const std::string& text) {
   if (dir.empty()) return false;
   // The watchdog and the main thread may both write (an abort meets a notice).
   static std::mutex writing;
   std::lock_guard<std::mutex> lock(writing);
   mkdir(dir.c_str(), 0777);  // the parent exists (checked at import); EEXIST is fine
-  const std::string text = RecordsJson(world_rank, world_size, reason, kept);
-  const std::string path = dir + "/rank" + std::to_string(world_rank) + ".json";
-  const std::string partial = path + ".partial";
+  const std::string path = dir + "/" + name;
+  // Unique per process: ranks on one shared folder may write the same name.
+  const std::string partial = path + "." + std::to_string(getpid()) + ".partial";
   FILE* file = std::fopen(partial.c_str(), "w");
   if (!file) return false;
   const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
@@ -382,15 +386,43 @@ inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
   return std::rename(partial.c_str(), path.c_str()) == 0;
 }
 
+// Whether `path` exists and was written in the last `seconds`.
+inline bool WrittenWithin(const std::string& path, double seconds) {
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0) return false;
+  return std::difftime(std::time(nullptr), info.st_mtime) <= seconds;
+}
+
+// Writes the records to dir/rank<r>.json; false where it cannot.
+inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
+                         const std::string& reason, Kept kept) {
+  return WriteFileAtomically(dir, "rank" + std::to_string(world_rank) + ".json",
+                             RecordsJson(world_rank, world_size, reason, kept));
+}
+
 // The flight dump (the ring's last records), at most once per `reason` kind a
 // second: a stall's state requests from several ranks ask at once.
 inline std::atomic<int64_t> last_flight_dump_ns{0};
+inline std::string last_flight_reason;  // the last dump's (flight_setup_mutex)
+
 inline bool DumpFlight(int world_rank, int world_size, const std::string& reason) {
   if (flight_capacity.load() <= 0 || flight_dir.empty()) return false;
   const int64_t now = NowNs(), last = last_flight_dump_ns.load();
   if (last && now - last < 1000000000) return true;
   last_flight_dump_ns.store(now);
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    last_flight_reason = reason;
+  }
   return WriteRecords(flight_dir, world_rank, world_size, reason, Kept::kFlight);
+}
+
+// The reason of a dump written in the last 2 s (a copy of the records sent
+// elsewhere says the same as the file here), else `fallback`.
+inline std::string RecentDumpReason(const std::string& fallback) {
+  if (NowNs() - last_flight_dump_ns.load() > 2000000000) return fallback;
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  return last_flight_reason.empty() ? fallback : last_flight_reason;
 }
 
 // The trace so far, to trace_dir ("" once it has stopped: nothing is written).
@@ -424,17 +456,16 @@ inline bool StopTrace(int world_rank, int world_size, const std::string& reason)
   return written;
 }
 
-// SIGUSR1: a flight dump, written by the watchdog thread (no file I/O in a
-// signal handler).  A handler already there is chained to: MPICH installs one
-// at MPI_Init (its launcher signals process failures with SIGUSR1), and a
-// dump is welcome then too.  A program that sets its own handler later
+// SIGUSR1: a flight dump; SIGUSR2: a report of where every rank is (watchdog.h,
+// WriteStacksReport).  Both written by the watchdog thread (no file I/O or MPI
+// in a signal handler).  A handler already there is chained to: MPICH installs
+// one for SIGUSR1 at MPI_Init (its launcher signals process failures with it),
+// and a dump is welcome then too.  A program that sets its own handler later
 // (signal.signal) replaces this one.
-inline std::atomic<bool> flight_dump_asked{false};
-inline struct sigaction previous_sigusr1 = {};
+inline std::atomic<bool> flight_dump_asked{false}, stacks_asked{false};
+inline struct sigaction previous_sigusr1 = {}, previous_sigusr2 = {};
 
-inline void OnSigusr1(int signal, siginfo_t* info, void* context) {
-  flight_dump_asked.store(true);
-  const struct sigaction& before = previous_sigusr1;
+inline void ChainTo(const struct sigaction& before, int signal, siginfo_t* info, void* context) {
   if (before.sa_flags & SA_SIGINFO) {
     if (before.sa_sigaction) before.sa_sigaction(signal, info, context);
   } else if (before.sa_handler != SIG_DFL && before.sa_handler != SIG_IGN) {
@@ -442,12 +473,24 @@ inline void OnSigusr1(int signal, siginfo_t* info, void* context) {
   }
 }
 
-inline void InstallSigusr1() {
+inline void OnSigusr1(int signal, siginfo_t* info, void* context) {
+  flight_dump_asked.store(true);
+  ChainTo(previous_sigusr1, signal, info, context);
+}
+
+inline void OnSigusr2(int signal, siginfo_t* info, void* context) {
+  stacks_asked.store(true);
+  ChainTo(previous_sigusr2, signal, info, context);
+}
+
+inline void InstallSignalHandlers() {
   struct sigaction action = {};
-  action.sa_sigaction = OnSigusr1;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART | SA_SIGINFO;
+  action.sa_sigaction = OnSigusr1;
   sigaction(SIGUSR1, &action, &previous_sigusr1);
+  action.sa_sigaction = OnSigusr2;
+  sigaction(SIGUSR2, &action, &previous_sigusr2);
 }
 
 }  // namespace mpicoll

@@ -29,6 +29,7 @@
 #include "dtypes.h"
 #include "flight.h"
 #include "guard.h"
+#include "python_stacks.h"
 
 namespace mpicoll {
 
@@ -43,6 +44,7 @@ constexpr int kAbortNoticeTag = 7303;      // "rank r is ending the job" (an unc
 constexpr int kTracebackNoticeTag = 7304;  // "rank r prints the traceback that ends it"
 constexpr int kEndNoticeTag = 7305;        // "rank r has ended: its last calls are ..."
 constexpr int kDumpNoticeTag = 7306;       // "rank r reports a divergence: write your records"
+constexpr int kRecordsTag = 7307;          // a rank's flight records, for the reporting rank's folder
 constexpr double kAnswerWithin = 3.0;      // s a report waits for the other ranks' answers
 constexpr double kProbeAnswerWithin = 1.0;  // s a probe waits: a rank that cannot answer
                                             // is not asked again for 3 s at each probe
@@ -190,6 +192,7 @@ struct RankStateHeader {
   int32_t ending = kAlive;
   int32_t exit_code = 0;
   int32_t count = 0;        // CallStates that follow
+  int32_t stack_bytes = 0;  // then its Python stack's text (python_stacks.h)
   double idle_seconds = 0;  // since a local device last left a collective (none in one)
   double waited = 0;        // (set by the asker) how long it waited for an answer that never came
   char host[64] = {};
@@ -199,6 +202,7 @@ struct RankStateHeader {
 struct RankState {
   RankStateHeader head;
   std::vector<CallState> calls;
+  std::string python_stack;  // report lines; "" where not asked for
   bool Answered() const { return head.world_rank >= 0; }
   bool InCollective() const {
     return std::any_of(calls.begin(), calls.end(),
@@ -300,10 +304,16 @@ inline CallState LastState(int device, const CommCounter& counter) {
   return s;
 }
 
+// Whether a rank's state carries its Python stack: a report wants it for a
+// rank outside a collective (where it is in its own code), `python -m mpicoll
+// stacks` for every rank.  An end notice and a probe's verdict need none.
+enum class Stack { kNone, kIfOutside, kAlways };
+
 // This rank's state: every call in progress, then the last call on each
 // communicator in `asked` (hashes), or, for an end notice (all_comms), on the
 // communicators used last.  asker: the rank that asks (-1: none).
-inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, int asker = -1) {
+inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, int asker = -1,
+                          Stack stack = Stack::kNone) {
   RankState s;
   s.head.world_rank = WorldRank();
   gethostname(s.head.host, sizeof(s.head.host) - 1);
@@ -338,15 +348,22 @@ inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, in
     s.calls.push_back(state);
   }
   s.head.count = static_cast<int32_t>(s.calls.size());
+  if (stack == Stack::kAlways || (stack == Stack::kIfOutside && !s.InCollective())) {
+    s.python_stack = PythonStacks();
+  }
   return s;
 }
 
 inline std::vector<char> Pack(const RankState& s) {
-  std::vector<char> bytes(sizeof(RankStateHeader) + s.calls.size() * sizeof(CallState));
-  std::memcpy(bytes.data(), &s.head, sizeof(RankStateHeader));
-  if (!s.calls.empty()) {
-    std::memcpy(bytes.data() + sizeof(RankStateHeader), s.calls.data(),
-                s.calls.size() * sizeof(CallState));
+  RankStateHeader head = s.head;
+  head.stack_bytes = static_cast<int32_t>(s.python_stack.size());
+  const size_t calls = s.calls.size() * sizeof(CallState);
+  std::vector<char> bytes(sizeof(RankStateHeader) + calls + s.python_stack.size());
+  std::memcpy(bytes.data(), &head, sizeof(RankStateHeader));
+  if (calls) std::memcpy(bytes.data() + sizeof(RankStateHeader), s.calls.data(), calls);
+  if (!s.python_stack.empty()) {
+    std::memcpy(bytes.data() + sizeof(RankStateHeader) + calls, s.python_stack.data(),
+                s.python_stack.size());
   }
   return bytes;
 }
@@ -363,6 +380,10 @@ inline RankState Unpack(const std::vector<char>& bytes) {
     std::memcpy(s.calls.data(), bytes.data() + sizeof(RankStateHeader),
                 count * sizeof(CallState));
   }
+  const size_t stack_at = sizeof(RankStateHeader) + count * sizeof(CallState);
+  const size_t stack = std::min<size_t>(bytes.size() - stack_at,
+                                        std::max<int32_t>(0, s.head.stack_bytes));
+  s.python_stack.assign(bytes.data() + stack_at, stack);
   return s;
 }
 
@@ -399,25 +420,143 @@ inline int IntOf(const std::vector<char>& bytes) {
 
 // Answers every pending state request (the watchdog's loop, and while a
 // report waits for its own answers, so that two asking ranks never wait on
-// each other).  A request is [purpose, the communicators the asker waits on];
-// one for a stall report has this rank's flight records written too
-// (DumpFlight writes at most once a second), a probe does not.
-enum Purpose : uint64_t { kProbe = 0, kForReport = 1 };
+// each other).  A request is [purpose, the communicators the asker waits on].
+// A probe (is a wait one that can never end?) wants the calls alone; a report
+// wants the Python stack of a rank outside a collective too, and this rank's
+// flight records written (DumpFlight writes at most once a second); `python -m
+// mpicoll stacks` wants every rank's stack.
+enum Purpose : uint64_t { kProbe = 0, kForReport = 1, kForStacks = 2 };
+
+inline Stack StackFor(uint64_t purpose) {
+  return purpose == kForStacks ? Stack::kAlways
+         : purpose == kForReport ? Stack::kIfOutside : Stack::kNone;
+}
 
 inline void ServeStateRequests() {
   ReceiveEach(kStateRequestTag, [](int source, const std::vector<char>& request) {
     std::vector<uint64_t> words(request.size() / sizeof(uint64_t));
     if (!words.empty()) std::memcpy(words.data(), request.data(), words.size() * sizeof(uint64_t));
-    const bool for_report = !words.empty() && words[0] == kForReport;
+    const uint64_t purpose = words.empty() ? kProbe : words[0];
     const std::vector<uint64_t> asked(words.begin() + (words.empty() ? 0 : 1), words.end());
-    const std::vector<char> reply = Pack(OwnState(asked, /*all_comms=*/false, source));
+    const std::vector<char> reply =
+        Pack(OwnState(asked, /*all_comms=*/false, source, StackFor(purpose)));
     MPI_Send(reply.data(), static_cast<int>(reply.size()), MPI_BYTE, source, kStateReplyTag,
              side_channel.load());
-    if (for_report) {
-      DumpFlight(WorldRank(), world_size.load(),
-                 "a stall report on rank " + std::to_string(source) + " asked");
+    if (purpose == kForReport) {
+      const std::string why = "a stall report on rank " + std::to_string(source) + " asked";
+      DumpFlight(WorldRank(), world_size.load(), why);
     }
   });
+}
+
+// Sends `bytes` with `tag` to `ranks`; waits up to `wait_ms` for the sends to
+// leave (a process about to exit), else lets them complete alone.
+inline void SendToRanks(const std::vector<char>& bytes, int tag, const std::vector<int>& ranks,
+                        int wait_ms) {
+  if (!SideChannelUp()) return;
+  MPI_Comm comm = side_channel.load();
+  // The sends' buffers, kept for the process: a send nobody receives stays posted.
+  static std::mutex kept_mutex;
+  static std::list<std::vector<char>> kept;
+  const std::vector<char>* kept_bytes;
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    kept.push_back(bytes);
+    kept_bytes = &kept.back();
+  }
+  const std::vector<char>& buffer = *kept_bytes;
+  std::vector<MPI_Request> sends;
+  for (int r : ranks) {
+    if (r == WorldRank()) continue;
+    MPI_Request request;
+    if (MPI_Isend(buffer.data(), static_cast<int>(buffer.size()), MPI_BYTE, r, tag, comm,
+                  &request) == MPI_SUCCESS) {
+      sends.push_back(request);
+    }
+  }
+  const int64_t deadline = NowNs() + int64_t{wait_ms} * 1000000;
+  int done = sends.empty();
+  while (!done && NowNs() < deadline) {
+    MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  for (MPI_Request& request : sends) {
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  }
+}
+
+inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms) {
+  std::vector<int> everyone(world_size.load());
+  for (int r = 0; r < world_size.load(); ++r) everyone[r] = r;
+  SendToRanks(bytes, tag, everyone, wait_ms);
+}
+
+// ---------------------------------------------------------------------------
+// Flight records a multi-node job can read: the rank that writes a report asks
+// the others for theirs (a dump notice, watchdog.h) and writes them into its
+// own folder (its node's temporary directory, or MPICOLL_FLIGHT_DIR), beside
+// its own, so that the report names one place holding every rank's.  Each rank still writes its
+// own full ring on its node; the copy sent holds its last kSentRecords per
+// device, and is sent only in jobs of up to kCollectRecordsUpTo ranks.
+constexpr size_t kSentRecords = 200;
+constexpr int kCollectRecordsUpTo = 256;
+
+inline bool CollectingRecords() {
+  return world_size.load() <= kCollectRecordsUpTo && flight_capacity.load() > 0;
+}
+
+// Sends this rank's records to `reporter`: its flight folder, then the records.
+inline void SendRecords(int reporter, const std::string& reason) {
+  if (!CollectingRecords() || reporter == WorldRank()) return;
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = flight_dir;
+  }
+  const std::string json = RecordsJson(WorldRank(), world_size.load(), RecentDumpReason(reason),
+                                       Kept::kFlight, kSentRecords);
+  std::vector<char> bytes(dir.begin(), dir.end());
+  bytes.push_back('\0');
+  bytes.insert(bytes.end(), json.begin(), json.end());
+  SendToRanks(bytes, kRecordsTag, {reporter}, /*wait_ms=*/0);
+}
+
+// Receives the records `from` sends for up to `seconds` (every one, or the
+// time is up) and writes each into this rank's folder, unless the sender's own
+// copy is already there (the same folder on a shared or the same file system).
+inline void CollectRecords(std::vector<int> from, double seconds) {
+  if (!SideChannelUp() || !CollectingRecords()) return;
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = flight_dir;
+  }
+  MPI_Comm comm = side_channel.load();
+  const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
+  while (!from.empty() && NowNs() < deadline) {
+    int pending = 0;
+    MPI_Message message;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kRecordsTag, comm, &pending, &message, &status) !=
+        MPI_SUCCESS) {
+      return;
+    }
+    if (!pending) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      continue;
+    }
+    int size = 0;
+    MPI_Get_count(&status, MPI_BYTE, &size);
+    std::vector<char> data(std::max(size, 0));
+    MPI_Mrecv(data.data(), size, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    from.erase(std::remove(from.begin(), from.end(), status.MPI_SOURCE), from.end());
+    const auto end_of_dir = std::find(data.begin(), data.end(), '\0');
+    if (end_of_dir == data.end()) continue;
+    const std::string theirs(data.begin(), end_of_dir);
+    const std::string name = "rank" + std::to_string(status.MPI_SOURCE) + ".json";
+    if (theirs == dir && WrittenWithin(dir + "/" + name, /*seconds=*/30)) continue;
+    WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -453,59 +592,24 @@ inline bool HasEnded(int rank, RankState* state = nullptr) {
   return true;
 }
 
-// Sends `bytes` to every other rank with `tag`; waits up to `wait_ms` for the
-// sends to leave (a process about to exit), else lets them complete alone.
-inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms) {
-  if (!SideChannelUp()) return;
-  MPI_Comm comm = side_channel.load();
-  // The sends' buffers, kept for the process: a send nobody receives stays posted.
-  static std::mutex kept_mutex;
-  static std::list<std::vector<char>> kept;
-  const std::vector<char>* kept_bytes;
-  {
-    std::lock_guard<std::mutex> lock(kept_mutex);
-    kept.push_back(bytes);
-    kept_bytes = &kept.back();
-  }
-  const std::vector<char>& buffer = *kept_bytes;
-  std::vector<MPI_Request> sends;
-  for (int r = 0; r < world_size.load(); ++r) {
-    if (r == WorldRank()) continue;
-    MPI_Request request;
-    if (MPI_Isend(buffer.data(), static_cast<int>(buffer.size()), MPI_BYTE, r, tag, comm,
-                  &request) == MPI_SUCCESS) {
-      sends.push_back(request);
-    }
-  }
-  const int64_t deadline = NowNs() + int64_t{wait_ms} * 1000000;
-  int done = sends.empty();
-  while (!done && NowNs() < deadline) {
-    MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE);
-    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  for (MPI_Request& request : sends) {
-    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
-  }
-}
-
 // Every rank's state, this one's included: ended ranks from their notices,
 // the others asked (for the communicators in `asked`); a rank that does not
 // answer within `answer_within` seconds keeps world_rank = -1.
 inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked,
-                                              bool for_report = false,
+                                              Purpose purpose = kProbe,
                                               double answer_within = kAnswerWithin) {
   static std::mutex asking;  // the watchdog, or a process about to exit (AnnounceEnd)
   std::lock_guard<std::mutex> one_at_a_time(asking);
   const int size = world_size.load(), me = WorldRank();
   std::vector<RankState> states(size);
-  states[me] = OwnState(asked, /*all_comms=*/false);
+  states[me] = OwnState(asked, /*all_comms=*/false, -1, StackFor(purpose));
   if (!SideChannelUp() || size == 1) return states;
   TakeEndNotices();
   MPI_Comm comm = side_channel.load();
   // The sends' buffer, kept for the process: a request to a rank that does not
   // answer stays posted (a few bytes per unanswered probe).
   static std::list<std::vector<uint64_t>> requests;
-  requests.emplace_back(1, for_report ? kForReport : kProbe);
+  requests.emplace_back(1, purpose);
   requests.back().insert(requests.back().end(), asked.begin(),
                          asked.begin() + std::min<size_t>(asked.size(), kMaxAskedComms));
   const std::vector<uint64_t>& request = requests.back();

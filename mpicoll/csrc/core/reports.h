@@ -95,7 +95,7 @@ inline std::string RankLine(int rank, const RankState& s, std::vector<uint64_t> 
     }
   }
   for (size_t i = 0; i < parts.size(); ++i) text += (i ? "; " : "") + parts[i];
-  return text + "\n";
+  return text + "\n" + s.python_stack;  // where a rank outside a collective is in its code
 }
 
 // ---------------------------------------------------------------------------

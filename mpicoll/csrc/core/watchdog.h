@@ -40,6 +40,17 @@ namespace mpicoll {
 
 inline std::atomic<bool> watchdog_started{false};
 
+// How long a report waits for the other ranks' flight records (GatherRecords):
+// their watchdogs take the notice within 50 ms; a rank that cannot answer
+// keeps its records in its own node's folder.
+constexpr double kGatherRecordsWithin = 2.0;
+
+inline std::vector<char> IntBytes(int value) {
+  std::vector<char> bytes(sizeof(int));
+  std::memcpy(bytes.data(), &value, sizeof(int));
+  return bytes;
+}
+
 // ---------------------------------------------------------------------------
 // Uncaught exceptions: the rank whose error ends the job prints it; every
 // other rank's watchdog says in one line which rank that was, and a rank that
@@ -50,10 +61,6 @@ inline std::atomic<int> printing_rank{-1};            // a rank that prints the 
 inline std::atomic<bool> this_rank_aborting{false};
 
 inline void TakeAbortNotices() {
-  ReceiveEach(kDumpNoticeTag, [](int, const std::vector<char>& bytes) {
-    DumpFlight(WorldRank(), world_size.load(),
-               "rank " + std::to_string(IntOf(bytes)) + " reported a divergence");
-  });
   // Each notice is taken for what it says alone: MPI orders a sender's messages
   // only within a tag, so a traceback notice may come before that rank's abort notice.
   ReceiveEach(kTracebackNoticeTag, [](int, const std::vector<char>& bytes) {
@@ -75,13 +82,16 @@ inline void TakeAbortNotices() {
       WriteTrace(WorldRank(), world_size.load(), why);
     }
   });
+  // A rank that writes a report (a divergence, a stall, a timeout, the
+  // traceback that ends the job) asks for every rank's records in its folder;
+  // taken after the abort notices, which name the reason better.
+  ReceiveEach(kDumpNoticeTag, [](int source, const std::vector<char>& bytes) {
+    const std::string why = "rank " + std::to_string(IntOf(bytes)) + " wrote a report";
+    DumpFlight(WorldRank(), world_size.load(), why);
+    SendRecords(source, why);
+  });
 }
 
-inline std::vector<char> IntBytes(int value) {
-  std::vector<char> bytes(sizeof(int));
-  std::memcpy(bytes.data(), &value, sizeof(int));
-  return bytes;
-}
 
 // Called by a rank about to abort the job for an uncaught exception: tells the
 // others, waits `settle_ms` for the notices of ranks that raised at the same
@@ -112,10 +122,23 @@ inline int AnnounceAbort(int settle_ms) {
   return lowest;
 }
 
+// Asks every other rank still running for its flight records (a dump notice)
+// and writes them into this rank's folder as they come, for up to `seconds`.
+inline void GatherRecords(double seconds) {
+  if (!SideChannelUp() || !CollectingRecords()) return;
+  std::vector<int> running;
+  for (int r = 0; r < world_size.load(); ++r) {
+    if (r != WorldRank() && !HasEnded(r)) running.push_back(r);
+  }
+  SendToRanks(IntBytes(WorldRank()), kDumpNoticeTag, running, /*wait_ms=*/0);
+  CollectRecords(running, seconds);
+}
+
 // Writes this rank's flight records, with `why` (a report) as their reason,
-// and says where, for the report.
-inline std::string FlightLine(int me, const std::string& why) {
+// gathers the other ranks' beside them, and says where, for the report.
+inline std::string FlightLine(int me, const std::string& why, bool gather = true) {
   if (!DumpFlight(me, world_size.load(), why)) return std::string();
+  if (gather) GatherRecords(kGatherRecordsWithin);
   std::string dir;
   {
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
@@ -157,11 +180,28 @@ inline bool DeferToLowerRank(const std::vector<RankState>& states, const Verdict
 
 [[noreturn]] inline void ReportDivergenceAndAbort(const std::vector<RankState>& states,
                                                   const Verdict& v) {
-  SendToEveryRank(IntBytes(WorldRank()), kDumpNoticeTag, /*wait_ms=*/0);  // their records too
   const std::string report = DivergenceReport(states, v);
   std::fprintf(stderr, "%s%s", report.c_str(), FlightLine(WorldRank(), report).c_str());
   WriteTrace(WorldRank(), world_size.load(), "a divergence");
   AbortJob(3);
+}
+
+// SIGUSR2 (`python -m mpicoll stacks` sends it to one rank): where every rank
+// is, its collective or its Python stack, printed and written to
+// <temporary directory>/mpicoll-stacks-<pid>.txt for the command to read.
+inline void WriteStacksReport() {
+  const int me = WorldRank();
+  const std::vector<RankState> states = EveryRanksState({}, kForStacks);
+  std::string text = "mpicoll: where every rank is (asked on rank " + std::to_string(me) + ")\n";
+  for (size_t r = 0; r < states.size(); ++r) text += RankLine(static_cast<int>(r), states[r], {});
+  std::fprintf(stderr, "%s", text.c_str());
+  std::fflush(stderr);
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = temp_dir;
+  }
+  WriteFileAtomically(dir, "mpicoll-stacks-" + std::to_string(getpid()) + ".txt", text);
 }
 
 inline void Watchdog() {
@@ -191,6 +231,7 @@ inline void Watchdog() {
       DumpFlight(WorldRank(), world_size.load(), "SIGUSR1");
       WriteTrace(WorldRank(), world_size.load(), "SIGUSR1");
     }
+    if (stacks_asked.exchange(false)) WriteStacksReport();
     const int64_t now = NowNs();
     int64_t earliest = 0;
     for (int d = 0; d <= kSetupSlot; ++d) {
@@ -214,7 +255,7 @@ inline void Watchdog() {
       std::vector<uint64_t> asked;
       for (const Membership& m : known) asked.push_back(m.hash);
       const std::vector<RankState> states =
-          EveryRanksState(asked, /*for_report=*/false, kProbeAnswerWithin);
+          EveryRanksState(asked, kProbe, kProbeAnswerWithin);
       if (watchdog_stop.load()) return;
       const Verdict v = FindDivergence(states, known);
       if (v.found && (v.certain || v.key == last_verdict)) {
@@ -229,7 +270,7 @@ inline void Watchdog() {
     }
     const bool timed_out = limit > 0 && waited >= limit;
     if (!timed_out && !(stall > 0 && waited >= next_report)) continue;
-    std::vector<RankState> states = EveryRanksState(WaitedComms(), /*for_report=*/true);
+    std::vector<RankState> states = EveryRanksState(WaitedComms(), kForReport);
     if (watchdog_stop.load()) return;  // the wait ended and the process is exiting
     std::string report = StallReport(states, me, /*always=*/false);
     if (timed_out) {
@@ -315,7 +356,9 @@ inline void AnnounceEnd(int ending, int code, const std::string& where) {
           " while rank " + std::to_string(stuck.front()) + " waits for it";
   v.comms = comms;
   const std::string report = DivergenceReport(states, v);
-  std::fprintf(stderr, "%s%s", report.c_str(), FlightLine(WorldRank(), report).c_str());
+  // Not gathered: the launcher may end the others as soon as this process exits.
+  std::fprintf(stderr, "%s%s", report.c_str(),
+               FlightLine(WorldRank(), report, /*gather=*/false).c_str());
   std::fflush(stderr);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the launcher forwards it
 }
@@ -334,7 +377,7 @@ inline void StopWatchdog() {
 inline void StartWatchdog() {
   if (watchdog_started.exchange(true)) return;
   NoteWorld();
-  InstallSigusr1();
+  InstallSignalHandlers();
   std::thread(Watchdog).detach();
 }
 

@@ -1,0 +1,197 @@
+// Where this process's Python threads are, read by the watchdog thread for a
+// report (rank_state.h): the innermost frames of the main thread, and of any
+// other thread inside JAX, each with its source line.
+//
+// Read without the GIL, the way faulthandler's dump_traceback_later reads them
+// from its own watchdog thread: CPython's _Py_DumpTracebackThreads walks every
+// thread's frames and writes them to a file descriptor, taking no lock.  So a
+// rank whose main thread holds the GIL in a C extension (a long BLAS call, a
+// ctypes.PyDLL function) still answers.  The function is looked up at run time
+// (dlsym): a Python that does not export it gets a line saying so instead.
+#pragma once
+
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace mpicoll {
+
+// Set at import, with the GIL (module_watch.cc): the interpreter, and the main
+// thread's identifier as faulthandler prints it (threading.main_thread().ident).
+inline std::atomic<void*> python_interpreter{nullptr};
+inline std::atomic<unsigned long> python_main_thread{0};
+inline std::string mpicoll_package_dir;  // "/.../mpicoll/": its frames are left out (set once)
+
+constexpr int kMainThreadFrames = 4;    // innermost frames shown for the main thread
+constexpr int kOtherThreadFrames = 2;   // and for each other thread inside JAX
+constexpr int kOtherThreadsShown = 2;
+constexpr size_t kStackTextLimit = 2048;  // bytes on the wire per rank
+
+struct PythonFrame {
+  std::string file;
+  std::string line;  // as printed: a number, or "???"
+  std::string function;
+};
+
+struct PythonThread {
+  unsigned long ident = 0;
+  std::vector<PythonFrame> frames;  // innermost first
+};
+
+// faulthandler's text: "Thread 0x7f.. (most recent call first):" (or "Current
+// thread 0x.."), then one `  File "f", line N in fn` per frame.
+inline std::vector<PythonThread> ParseThreadDump(const std::string& dump) {
+  std::vector<PythonThread> threads;
+  size_t at = 0;
+  while (at < dump.size()) {
+    size_t end = dump.find('\n', at);
+    if (end == std::string::npos) end = dump.size();
+    const std::string line = dump.substr(at, end - at);
+    at = end + 1;
+    const size_t hex = line.find("hread 0x");
+    if (hex != std::string::npos && line.find("File \"") == std::string::npos) {
+      threads.emplace_back();
+      threads.back().ident = std::strtoul(line.c_str() + hex + 6, nullptr, 16);
+      continue;
+    }
+    const size_t open = line.find("File \"");
+    if (open == std::string::npos || threads.empty()) continue;
+    const size_t close = line.find("\", line ", open + 6);
+    if (close == std::string::npos) continue;
+    PythonFrame frame;
+    frame.file = line.substr(open + 6, close - open - 6);
+    const size_t number = close + 8, in = line.find(" in ", number);
+    frame.line = line.substr(number, in == std::string::npos ? std::string::npos : in - number);
+    if (in != std::string::npos) frame.function = line.substr(in + 4);
+    threads.back().frames.push_back(std::move(frame));
+  }
+  return threads;
+}
+
+// The source line `number` of `file`, trimmed ("" where it cannot be read).
+inline std::string SourceLine(const std::string& file, const std::string& number) {
+  const long wanted = std::strtol(number.c_str(), nullptr, 10);
+  if (wanted <= 0) return std::string();
+  std::ifstream in(file);
+  std::string text;
+  for (long n = 1; n <= wanted && std::getline(in, text); ++n) {
+    if (n == wanted) {
+      const size_t first = text.find_first_not_of(" \t");
+      if (first == std::string::npos) return std::string();
+      text = text.substr(first);
+      while (!text.empty() && (text.back() == ' ' || text.back() == '\r')) text.pop_back();
+      return text.size() > 80 ? text.substr(0, 77) + "..." : text;
+    }
+  }
+  return std::string();
+}
+
+// A frame's file as a reader wants it: from the package on in site-packages,
+// else relative to the process's working directory where it lies below it.
+inline std::string ShortPath(const std::string& file) {
+  const std::string packages = "-packages/";
+  const size_t at = file.rfind(packages);
+  if (at != std::string::npos) return file.substr(at + packages.size());
+  char cwd[4096];
+  if (getcwd(cwd, sizeof(cwd))) {
+    const std::string prefix = std::string(cwd) + "/";
+    if (file.compare(0, prefix.size(), prefix) == 0) return file.substr(prefix.size());
+  }
+  return file;
+}
+
+inline bool InsideJax(const PythonThread& thread) {
+  for (const PythonFrame& f : thread.frames) {
+    if (f.file.find("/jax/") != std::string::npos || f.file.find("/jaxlib/") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The innermost `most` frames, those inside mpicoll's own package left out (a
+// rank inside a collective: the report names its call already; the reader
+// wants the code that called it).
+inline std::string FramesText(const PythonThread& thread, int most) {
+  std::string text;
+  size_t first = 0;
+  while (!mpicoll_package_dir.empty() && first < thread.frames.size() &&
+         thread.frames[first].file.compare(0, mpicoll_package_dir.size(), mpicoll_package_dir) == 0) {
+    ++first;
+  }
+  if (first == thread.frames.size()) first = 0;
+  if (first > 0) text += "      (" + std::to_string(first) + " frames inside mpicoll)\n";
+  for (size_t i = first; i < thread.frames.size() && i < first + most; ++i) {
+    const PythonFrame& f = thread.frames[i];
+    text += "      " + ShortPath(f.file) + ":" + f.line + " in " + f.function;
+    const std::string source = SourceLine(f.file, f.line);
+    if (!source.empty()) text += ": " + source;
+    text += "\n";
+  }
+  if (thread.frames.empty()) text += "      (no Python frame)\n";
+  return text;
+}
+
+// faulthandler's dump of every thread of the interpreter, into a memory file.
+inline std::string DumpPythonThreads(std::string* why_not) {
+  using DumpThreads = const char* (*)(int, void*, void*);
+  static const DumpThreads dump =
+      reinterpret_cast<DumpThreads>(dlsym(RTLD_DEFAULT, "_Py_DumpTracebackThreads"));
+  void* interpreter = python_interpreter.load();
+  if (!dump || !interpreter) {
+    *why_not = dump ? "not set up" : "this Python does not export _Py_DumpTracebackThreads";
+    return std::string();
+  }
+  const int fd = memfd_create("mpicoll-python-stacks", 0);
+  if (fd < 0) {
+    *why_not = "no memory file";
+    return std::string();
+  }
+  const char* error = dump(fd, interpreter, nullptr);
+  std::string text;
+  if (lseek(fd, 0, SEEK_SET) == 0) {
+    char buffer[4096];
+    ssize_t got;
+    while ((got = read(fd, buffer, sizeof(buffer))) > 0) text.append(buffer, got);
+  }
+  close(fd);
+  if (error && text.empty()) *why_not = error;
+  return text;
+}
+
+// The report's lines for this process's Python threads (innermost frame first).
+inline std::string PythonStacks() {
+  std::string why_not;
+  const std::vector<PythonThread> threads = ParseThreadDump(DumpPythonThreads(&why_not));
+  if (threads.empty()) {
+    return "    its Python stack cannot be read (" + (why_not.empty() ? "no thread" : why_not) +
+           ")\n";
+  }
+  std::string text;
+  const unsigned long main_ident = python_main_thread.load();
+  int others = 0;
+  for (const PythonThread& thread : threads) {
+    if (thread.ident == main_ident) {
+      text = "    Python, main thread (innermost first):\n" +
+             FramesText(thread, kMainThreadFrames) + text;
+    } else if (InsideJax(thread) && others < kOtherThreadsShown) {
+      char head[96];
+      std::snprintf(head, sizeof(head), "    Python, thread 0x%lx (inside JAX):\n", thread.ident);
+      text += head + FramesText(thread, kOtherThreadFrames);
+      ++others;
+    }
+  }
+  if (text.empty()) text = "    its Python main thread has no frame (it is finishing)\n";
+  if (text.size() > kStackTextLimit) text = text.substr(0, kStackTextLimit - 4) + "...\n";
+  return text;
+}
+
+}  // namespace mpicoll

@@ -1,0 +1,93 @@
+"""`python -m mpicoll stacks [PID]`: where every rank of a live job is.
+
+It sends SIGUSR2 to one rank's process on this host; that rank's watchdog asks
+every rank over the watchdogs' side channel (core/watchdog.h,
+WriteStacksReport) for its state and its Python stack, prints the report to the
+job's stderr and writes it to <its temporary directory>/mpicoll-stacks-<pid>.txt,
+which this command reads, prints and removes.  The stacks are read without the
+GIL (core/python_stacks.h), so a rank busy in a C extension answers too.
+"""
+
+import os
+import signal
+import tempfile
+import time
+
+# The launchers' variables that give a process its rank (MPICH/Hydra, Open MPI, PMIx, SLURM).
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+_EXTENSION_MARK = "_mpicoll_ffi_"  # the extension's file name, in a process's memory map
+ANSWER_WITHIN = 15.0  # s: the asked rank waits up to 3 s for each rank's answer
+
+
+def _environment(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
+def _rank(environment):
+    for name in _RANK_VARIABLES:
+        if environment.get(name, "").isdigit():
+            return int(environment[name])
+    return None
+
+
+def mpicoll_processes():
+    """[(pid, rank or None)] of the processes on this host that have mpicoll loaded."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                if _EXTENSION_MARK not in f.read():
+                    continue
+        except OSError:
+            continue
+        found.append((int(entry), _rank(_environment(entry))))
+    return sorted(found, key=lambda p: (p[1] is None, p[1] if p[1] is not None else 0, p[0]))
+
+
+def choose_process(processes):
+    """The process to ask: the one rank 0 of a job on this host, else the lowest rank."""
+    if not processes:
+        raise LookupError("no process on this host has mpicoll loaded (give the PID of a rank "
+                          "on the host where it runs)")
+    first_ranks = [pid for pid, rank in processes if rank == 0]
+    if len(first_ranks) > 1:
+        raise LookupError("several jobs run mpicoll on this host (rank 0 processes "
+                          f"{', '.join(map(str, first_ranks))}): give one PID")
+    return first_ranks[0] if first_ranks else processes[0][0]
+
+
+def _temporary_directory(environment):
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        if environment.get(name):
+            return environment[name]
+    return tempfile.gettempdir() if not environment else "/tmp"
+
+
+def ask(pid, within=ANSWER_WITHIN):
+    """Signal process `pid` and return its report of where every rank is."""
+    report = os.path.join(_temporary_directory(_environment(pid)), f"mpicoll-stacks-{pid}.txt")
+    try:
+        os.remove(report)
+    except FileNotFoundError:
+        pass
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(report) as f:
+                text = f.read()
+        except FileNotFoundError:
+            time.sleep(0.05)
+            continue
+        os.remove(report)
+        return text
+    raise TimeoutError(f"process {pid} did not answer within {within:.0f} s (is it an mpicoll "
+                       "rank whose watchdog runs? A program that sets its own SIGUSR2 handler "
+                       "replaces mpicoll's)")
