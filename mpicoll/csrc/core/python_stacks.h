@@ -8,6 +8,10 @@
 // rank whose main thread holds the GIL in a C extension (a long BLAS call, a
 // ctypes.PyDLL function) still answers.  The function is looked up at run time
 // (dlsym): a Python that does not export it gets a line saying so instead.
+// Read for reports and on request only, never for the watchdog's probes: the
+// walk takes no lock, so a thread ending at that moment could be read as it is
+// freed (faulthandler's own caveat), a risk for a job already stuck, not for a
+// healthy one.
 #pragma once
 
 #include <dlfcn.h>
