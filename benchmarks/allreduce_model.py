@@ -150,7 +150,7 @@ def crossover(nodes, local, p, lower="small", upper="split"):
 
 def thresholds(runs):
     """mpicoll's thresholds per device count, as the measured build computed them
-    (_ranks_devices.local_combine_bytes / split_allreduce_bytes): {L: (combine, split)}."""
+    (ranks_devices.local_combine_bytes / split_allreduce_bytes): {L: (combine, split)}."""
     limits = {local: (report["local_combine_bytes"], report["split_allreduce_bytes"])
               for (mode, _, local), report in runs.items() if mode == "devices"}
     if not limits:

@@ -23,7 +23,7 @@ from .observe.tracing import start_trace, stop_trace, trace  # noqa: E402
 from .runtime.native import thread_mode  # noqa: E402
 from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink  # noqa: E402
 from .over_ranks import lax  # noqa: E402  (importing it routes jax.lax collectives over RANKS)
-del lax  # mpicoll.over_ranks.lax, not a public mpicoll.lax
+del lax  # reached as over_ranks.lax, not as a public name of mpicoll
 # The subpackages, already mpicoll's attributes by the imports above.
 from . import _compat, observe, primitive  # noqa: E402
 

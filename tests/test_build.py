@@ -2,7 +2,7 @@
 
 mpicoll's extension is compiled against one MPI's headers (its handles are not
 portable between implementations), while mpi4py chooses its MPI library at run
-time.  mpicoll/_native.py compares the two on import.  The mismatch test makes
+time.  mpicoll/runtime/native.py compares the two on import.  The mismatch test makes
 mpi4py load the *other* implementation's libmpi (MPI4PY_LIBMPI) in a
 subprocess; that library comes from another of the project's venvs (`make
 test-all` builds MPICH and Open MPI ones) or from $MPICOLL_TEST_OTHER_LIBMPI,
@@ -96,7 +96,7 @@ def test_import_fails_clearly_when_mpi4py_loads_another_mpi(tmp_path):
 # The extension's tables (csrc/reduce_ops.def, csrc/ops.def) as Python reads them.
 
 def test_reduction_ops_table():
-    """The one list of reduction ops (Python's _types takes it as it is): MPI's predefined
+    """The one list of reduction ops (mpicoll/runtime/dtypes.py takes it as it is): MPI's predefined
     ops, each on the dtype families MPI defines it for."""
     arithmetic, ordered, logical = ("integer", "floating", "complex"), \
         ("bool", "integer", "floating"), ("bool", "integer")

@@ -97,7 +97,7 @@ CACHED_AND_NEW = {
 @pytest.mark.parametrize("case", CACHED_AND_NEW)
 def test_a_cached_program_and_a_new_one_raise_the_same_type(case):
     """Every rank raises jax.errors.JaxRuntimeError, also a rank whose eager program
-    ran from JAX's cache (_dispatch.run_eagerly)."""
+    ran from JAX's cache (mpicoll/primitive/dispatch.py, run_eagerly)."""
     mode, jitted, shape = CACHED_AND_NEW[case]
     if jitted:
         run = jax.jit(lambda x, second: jax.lax.cond(

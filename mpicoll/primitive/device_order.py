@@ -322,8 +322,8 @@ if native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
                       "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
 
 DISPATCH_MODES = ("device-order", "tokens")
-_device_order = DeviceOrderDispatch(MPIEffect)
-DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _device_order.install()
+_policy = DeviceOrderDispatch(MPIEffect)
+DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _policy.install()
 
 
 def set_dispatch(mode):
@@ -375,7 +375,7 @@ def set_dispatch(mode):
                f"with this JAX ({jax.__version__}), whose internals mpicoll does not "
                "recognize; programs keep JAX's runtime tokens"))
     previous = dispatch_mode()
-    _device_order.active = mode == "device-order"
+    _policy.active = mode == "device-order"
     return previous
 
 
@@ -389,7 +389,7 @@ def dispatch_mode():
 
         print(mpicoll.dispatch_mode())       # "device-order"; python -m mpicoll info says it too
     """
-    return "device-order" if _device_order.active else "tokens"
+    return "device-order" if _policy.active else "tokens"
 
 
 def set_dispatch_from_settings(current):
@@ -407,12 +407,12 @@ def after_pending_programs():
     (DeviceOrderDispatch) is waited for; GPU programs and the tokens mode order
     by runtime tokens, so wait for them (effects_barrier).
     """
-    if not (_device_order.active and _cpu_only_process()):
+    if not (_policy.active and _cpu_only_process()):
         jax.effects_barrier()
-    elif _device_order.in_module_multi_device():
-        _device_order.wait_for_multi_device_programs()
+    elif _policy.in_module_multi_device():
+        _policy.wait_for_multi_device_programs()
     else:
-        _device_order.wait_for_unfenced()
+        _policy.wait_for_unfenced()
 
 
 @functools.lru_cache(maxsize=None)
