@@ -7,42 +7,51 @@ collectives in program order.
 
 __version__ = "0.1.0"
 
-from .runtime.settings import current as _current_settings  # noqa: E402  (reads MPICOLL_*)
-from .ops.collectives import (  # noqa: E402
-    allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
-    scan, scatter)
-from .primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff  # noqa: E402
-from .primitive.device_order import dispatch_mode, set_dispatch  # noqa: E402
-from .ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv  # noqa: E402
-from .ops.vector import allgatherv, alltoallv, gatherv, scatterv  # noqa: E402
-from .runtime.comm import default_comm  # noqa: E402
-from . import topology  # noqa: E402
-from .primitive.overlap import overlap  # noqa: E402
-from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout  # noqa: E402
-from .observe.tracing import start_trace, stop_trace, trace  # noqa: E402
-from .runtime.native import thread_mode  # noqa: E402
-from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink  # noqa: E402
-from .over_ranks import lax  # noqa: E402  (importing it routes jax.lax collectives over RANKS)
-del lax  # reached as over_ranks.lax, not as a public name of mpicoll
-# The subpackages, already mpicoll's attributes by the imports above.
-from . import _compat, observe, primitive  # noqa: E402
+import sys as _sys
 
-# The settings the modules above do not apply themselves: abort on error, the
-# check mode and the timeout (autodiff and dispatch start from the settings in
-# primitive/varying.py and primitive/device_order.py).
-observe.failures.configure(_current_settings())
+# `python -m mpicoll stacks|flight|trace` (mpicoll/__main__.py) read files or
+# signal a running job: the package is then imported without MPI and JAX, so
+# they run on a login node, or in a shell beside the job they inspect (Open MPI
+# 4.1 refuses to start a singleton inside a job's process tree).
+_OFFLINE = _sys.argv[:1] == ["-m"] and _sys.argv[1:2] in (["stacks"], ["flight"], ["trace"])
 
-# XLA's CPU pool at two threads per local device where the cores are fewer
-# (unless the user set PJRT_NPROC, or JAX started its backends before this
-# import): with fewer, XLA's own dispatch of multi-device programs can starve
-# the device part a collective waits for (primitive/device_order.py,
-# chain_safe; 2 ranks x 2 devices on 2 cores hung a gradient step in 1 of 2
-# runs, issue 43).
-primitive.device_order.size_xla_cpu_pool(warn_if_late=True)
+if not _OFFLINE:
+    from .runtime.settings import current as _current_settings  # reads MPICOLL_*
+    from .ops.collectives import (
+        allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
+        scan, scatter)
+    from .primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff
+    from .primitive.device_order import dispatch_mode, set_dispatch
+    from .ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
+    from .ops.vector import allgatherv, alltoallv, gatherv, scatterv
+    from .runtime.comm import default_comm
+    from . import topology
+    from .primitive.overlap import overlap
+    from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout
+    from .observe.tracing import start_trace, stop_trace, trace
+    from .runtime.native import thread_mode
+    from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink
+    from .over_ranks import lax  # importing it routes jax.lax collectives over RANKS
+    del lax  # reached as over_ranks.lax, not as a public name of mpicoll
+    # The subpackages, already mpicoll's attributes by the imports above.
+    from . import _compat, observe, primitive
 
-# Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
-# default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
-_compat.hide_frames_under(__path__[0])
+    # The settings the modules above do not apply themselves: abort on error, the
+    # check mode and the timeout (autodiff and dispatch start from the settings in
+    # primitive/varying.py and primitive/device_order.py).
+    observe.failures.configure(_current_settings())
+
+    # XLA's CPU pool at two threads per local device where the cores are fewer
+    # (unless the user set PJRT_NPROC, or JAX started its backends before this
+    # import): with fewer, XLA's own dispatch of multi-device programs can starve
+    # the device part a collective waits for (primitive/device_order.py,
+    # chain_safe; 2 ranks x 2 devices on 2 cores hung a gradient step in 1 of 2
+    # runs, issue 43).
+    primitive.device_order.size_xla_cpu_pool(warn_if_late=True)
+
+    # Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
+    # default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
+    _compat.hide_frames_under(__path__[0])
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",

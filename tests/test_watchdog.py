@@ -320,6 +320,7 @@ def test_python_m_mpicoll_stacks_shows_every_rank_of_a_live_job():
                          env={"MPICOLL_STALL_REPORT": "60"}, timeout=180)
     assert result.returncode == 0, result.summary()
     assert "found rank 0's process as rank 0" in result.output, result.summary()
+    assert "stacks exit 0\n" in result.stdout, result.summary()
     answer = result.stdout.split("stacks exit 0\n", 1)[1]
     lines = [line.strip() for line in answer.splitlines()]
     assert lines[0] == "mpicoll: where every rank is (asked on rank 0)", answer
@@ -358,3 +359,15 @@ def test_a_process_reads_its_own_python_stack_as_a_report_prints_it():
                         r"test_a_process_reads_its_own_python_stack_as_a_report_prints_it: "
                         r"text = extension\.python_stacks\(\)  # read as .*", lines[1]), text
     assert len(lines) == 5 and all(" in " in line for line in lines[1:]), text  # 4 frames
+
+
+def test_the_stacks_command_runs_without_mpi_and_signals_only_mpicoll_ranks():
+    # Offline (no MPI, no JAX: it runs beside the job it asks), and a process
+    # that is not an mpicoll rank (here PID 1) is refused, never signalled.
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "mpicoll", "stacks", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "python -m mpicoll stacks: process 1 is not running mpicoll on this host" in done.stderr
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "mpicoll.observe.stacks" in imported and not imported & {"jax", "mpi4py"}, imported

@@ -35,19 +35,21 @@ def _rank(environment):
     return None
 
 
+def has_mpicoll(pid):
+    """Whether process `pid` has mpicoll's extension loaded (False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return _EXTENSION_MARK in f.read()
+    except OSError:
+        return False
+
+
 def mpicoll_processes():
     """[(pid, rank or None)] of the processes on this host that have mpicoll loaded."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                if _EXTENSION_MARK not in f.read():
-                    continue
-        except OSError:
-            continue
-        found.append((int(entry), _rank(_environment(entry))))
+        if entry.isdigit() and int(entry) != os.getpid() and has_mpicoll(entry):
+            found.append((int(entry), _rank(_environment(entry))))
     return sorted(found, key=lambda p: (p[1] is None, p[1] if p[1] is not None else 0, p[0]))
 
 
@@ -72,6 +74,8 @@ def _temporary_directory(environment):
 
 def ask(pid, within=ANSWER_WITHIN):
     """Signal process `pid` and return its report of where every rank is."""
+    if not has_mpicoll(pid):  # never signal a process that is not an mpicoll rank
+        raise LookupError(f"process {pid} is not running mpicoll on this host")
     report = os.path.join(_temporary_directory(_environment(pid)), f"mpicoll-stacks-{pid}.txt")
     try:
         os.remove(report)
