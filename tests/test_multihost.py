@@ -266,3 +266,25 @@ def test_killed_host_ends_the_job():
         except OSError:
             pass
     assert not left, f"processes {left} of the cluster outlived it"
+
+
+def test_a_stall_report_shows_a_busy_hosts_stack_and_gathers_its_records(tmp_path):
+    """Each simulated host with its own temporary folder, as hosts without shared
+    storage: the stall report shows where simhost1's rank is in its Python code,
+    and the folder it names (on simhost0) holds both ranks' flight records."""
+    for host in ("simhost0", "simhost1"):
+        (tmp_path / host).mkdir()
+    stall = REPO / "tests" / "programs" / "stall.py"
+    job = simcluster((1, 1), ["sh", "-c", f'TMPDIR="{tmp_path}/$(hostname)" exec "$0" "$@"',
+                              sys.executable, stall, "busy", "3"],
+                     env={"MPICOLL_STALL_REPORT": "1", "MPICOLL_FLIGHT_DIR": ""})
+    assert job.returncode == 0, summary(job)
+    text = job.out + job.err
+    assert re.search(r"  rank 1 \(simhost1\): not in an mpicoll collective for [\d.]+ s.*\n"
+                     r"    Python, main thread \(innermost first\):\n"
+                     r"      tests/programs/stall\.py:\d+ in multiply_matrices: ", text), \
+        summary(job)
+    folder = Path(re.search(r"flight records: (\S+)/rank\*\.json", text).group(1))
+    assert folder.parent == tmp_path / "simhost0", summary(job)
+    assert sorted(p.name for p in folder.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    assert json.loads((folder / "rank1.json").read_text())["otherData"]["host"] == "simhost1"
