@@ -3,7 +3,7 @@ report naming every rank's state, and no rank returns a value it should not.
 
 Each case runs as its own job at 2 and 3 ranks under the suite's MPI (CI runs this
 file under MPICH and Open MPI).  MPICOLL_TIMEOUT is 120 s: every case must end long
-before it, by the watchdog's divergence check (csrc/core/watchdog.h), not the timeout.
+before it, by the watchdog's divergence check (csrc/watch/watchdog.h), not the timeout.
 The times to end are measured in benchmarks/divergence.py (make bench).
 """
 

@@ -128,7 +128,7 @@ def test_exception_in_a_thread_aborts_the_job():
 def test_exception_without_abort_on_error_ends_the_job_in_seconds():
     """MPICOLL_ABORT_ON_ERROR=0: the failed rank exits, and tells the others where its
     script ended: the one waiting for it ends the job within a second or two, long
-    before MPICOLL_TIMEOUT (csrc/core/watchdog.h)."""
+    before MPICOLL_TIMEOUT (csrc/watch/watchdog.h)."""
     timeout = 60
     run = launch(PROGRAM, "raise",
                  env={"MPICOLL_ABORT_ON_ERROR": "0", "MPICOLL_TIMEOUT": str(timeout)})

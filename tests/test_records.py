@@ -1,5 +1,5 @@
 """Reading the flight recorder's dumps and the timeline (mpicoll/observe/records.py) on
-records made up here (one rank<r>.json per rank, as csrc/core/flight.h writes them),
+records made up here (one rank<r>.json per rank, as csrc/watch/flight.h writes them),
 where the answer is known; and XLA's own profiler naming mpicoll's calls.  The jobs that
 write real records are in test_watchdog.py."""
 

@@ -1,4 +1,4 @@
-"""What the job says when it is stuck or failing (csrc/core/watchdog.h), in jobs of 2-3 ranks.
+"""What the job says when it is stuck or failing (csrc/watch/watchdog.h), in jobs of 2-3 ranks.
 
 Stall reports: tests/programs/stall.py with MPICOLL_STALL_REPORT=1: one report
 per stall for the whole job (the lowest stalled rank's), naming the ranks that
@@ -63,7 +63,7 @@ def _flight(directory):
 def test_ranks_waiting_for_each_other_on_two_communicators_end_the_job_at_once(tmp_path):
     # Rank 1 waits in an allgather on another communicator while rank 0 waits in
     # an allreduce on COMM_WORLD: neither can move, and the watchdog says so
-    # within a second or two (csrc/core/watchdog.h), long before the stall report.
+    # within a second or two (csrc/watch/watchdog.h), long before the stall report.
     flight = tmp_path / "flight"
     result = run_mpiexec(2, [sys.executable, PROGRAM, "elsewhere"],
                          env={"MPICOLL_STALL_REPORT": "60", "MPICOLL_TIMEOUT": "120",

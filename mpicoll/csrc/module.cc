@@ -13,7 +13,7 @@
 //   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
 //   meeting/meeting.cc     the local devices' meeting: every ranks x devices collective
 //                          on CPU, its kinds in meeting/kinds.def
-// They share core/ and memory/, which are headers: every function there is a
+// They share engine/, watch/ and memory/, which are headers: every function there is a
 // template or `inline` and every piece of state an `inline` variable (C++17),
 // so each exists once in the module whichever units include it, and each
 // header includes what it uses.  Separate units rather than one that
@@ -37,12 +37,12 @@
 #include <thread>
 #include <vector>
 
-#include "core/algorithms.h"
-#include "core/collectives.h"
-#include "core/comm_table.h"
-#include "core/dtypes.h"
-#include "core/guard.h"
-#include "core/reduce_ops.h"
+#include "engine/algorithms.h"
+#include "engine/collectives.h"
+#include "engine/comm_table.h"
+#include "engine/dtypes.h"
+#include "watch/guard.h"
+#include "engine/reduce_ops.h"
 #include "meeting/kinds.def"
 #include "entries/entries.h"
 #include "module_watch.h"

@@ -1,7 +1,7 @@
 // The module's functions for watching the job (observe/failures.py, runtime/settings.py,
 // runtime/comm.py): the watchdog's thresholds and side channel, the watched
 // communicator setup, the abort that ends the job, and the flight recorder and
-// timeline (core/watchdog.h, core/flight.h).  module.cc joins their table to
+// timeline (watch/watchdog.h, watch/flight.h).  module.cc joins their table to
 // its own at import.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "core/comm_table.h"
-#include "core/flight.h"
-#include "core/guard.h"
-#include "core/watchdog.h"
+#include "engine/comm_table.h"
+#include "watch/flight.h"
+#include "watch/guard.h"
+#include "watch/watchdog.h"
 #include "module_watch.h"
 
 namespace mpicoll {
@@ -123,7 +123,7 @@ PyObject* PyGatherRecords(PyObject*, PyObject* arg) {
 // At import, with the GIL: the main thread's identifier
 // (threading.main_thread().ident), mpicoll's package folder, and the
 // interpreter, for the watchdog to read Python stacks
-// without the GIL (core/python_stacks.h).
+// without the GIL (watch/python_stacks.h).
 PyObject* WatchPythonThreads(PyObject*, PyObject* args) {
   unsigned long main_thread;
   const char* package_dir;
@@ -151,7 +151,7 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// The flight recorder and the timeline (core/flight.h): set once, at import,
+// The flight recorder and the timeline (watch/flight.h): set once, at import,
 // before the first collective.  set_flight(records per device, dump
 // directory, root): with dir "", a folder for the job under root (the
 // temporary directory), named when the ranks have met; this process's own until then.

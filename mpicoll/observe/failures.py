@@ -10,7 +10,7 @@
   called.  By default ("first-run") each call site of a compiled program is
   checked the first time it runs, then never again; MPICOLL_CHECK=1 ("every
   call") checks every call; MPICOLL_CHECK=0 ("off") none.
-* Stall report (MPICOLL_STALL_REPORT=seconds, default 60; csrc/core/watchdog.h):
+* Stall report (MPICOLL_STALL_REPORT=seconds, default 60; csrc/watch/watchdog.h):
   a collective waiting longer gets one report for the job: its call site and
   sequence number, the ranks that have arrived, and what every other rank is
   doing (asked over a private communicator, so stuck ranks still answer);
@@ -20,7 +20,7 @@
   aborts the job.
 * Flight recorder (MPICOLL_FLIGHT_RECORDS, default 1000 per local device) and
   timeline (MPICOLL_TRACE=dir, or mpicoll.trace(dir) in code: observe/tracing.py),
-  csrc/core/flight.h: every rank's recent (or every) collective, written on a
+  csrc/watch/flight.h: every rank's recent (or every) collective, written on a
   stall, a timeout, an abort, SIGUSR1 or (the timeline) when it stops; read by
   `python -m mpicoll flight|trace DIR` (observe/records.py).
 """
@@ -287,7 +287,7 @@ def _running(pid):
 def configure(settings):
     """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
-    # For reports' Python stacks (core/python_stacks.h): frames in this package are left out.
+    # For reports' Python stacks (watch/python_stacks.h): frames in this package are left out.
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     extension.watch_python_threads(threading.main_thread().ident, package)
     world_size = MPI.COMM_WORLD.Get_size()
@@ -319,7 +319,7 @@ def configure(settings):
 # A rank whose script finishes (or that exits) while another waits for it in a
 # collective would leave that rank waiting until MPICOLL_TIMEOUT.  So it tells
 # every rank its last calls and where it ended; a rank waiting for it ends the
-# job at once with a report naming both (csrc/core/watchdog.h).
+# job at once with a report naming both (csrc/watch/watchdog.h).
 
 def _script_frame():
     """The __main__ module's frame (the user's script), or None (an interactive session)."""

@@ -1,4 +1,4 @@
-"""Reading the flight recorder's dumps and the timeline (csrc/core/flight.h).
+"""Reading the flight recorder's dumps and the timeline (csrc/watch/flight.h).
 
 Both are one file per rank, `rank<r>.json`: a Chrome trace whose collective
 events carry every field of the record in "args" (sequence number on its

@@ -1,11 +1,11 @@
 """`python -m mpicoll stacks [PID]`: where every rank of a live job is.
 
 It sends SIGUSR2 to one rank's process on this host; that rank's watchdog asks
-every rank over the watchdogs' side channel (core/watchdog.h,
+every rank over the watchdogs' side channel (watch/watchdog.h,
 WriteStacksReport) for its state and its Python stack, prints the report to the
 job's stderr and writes it to <its temporary directory>/mpicoll-stacks-<pid>.txt,
 which this command reads, prints and removes.  The stacks are read without the
-GIL (core/python_stacks.h), so a rank busy in a C extension answers too.
+GIL (watch/python_stacks.h), so a rank busy in a C extension answers too.
 """
 
 import os

@@ -2,7 +2,7 @@
 two lines of a program (start_trace / stop_trace, or `with mpicoll.trace(DIR):`).
 
 While a trace runs, every collective of every local device is kept
-(csrc/core/flight.h), except each call site's first `skip` calls on a device
+(csrc/watch/flight.h), except each call site's first `skip` calls on a device
 (its warm-up: compilation and first touches), which go to the flight recorder's
 ring as when no trace runs.  Stopping writes this rank's records to
 DIR/rank<r>.json; `python -m mpicoll trace DIR` merges the ranks' files.  A

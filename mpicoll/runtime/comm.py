@@ -225,7 +225,7 @@ _side_channel = None
 
 def _open_side_channel(comm):
     """At COMM_WORLD's first use: the private duplicate on which the ranks'
-    watchdogs ask each other what they are doing (csrc/core/rank_state.h).
+    watchdogs ask each other what they are doing (csrc/watch/rank_state.h).
     With MPI_THREAD_MULTIPLE it was opened at import without blocking, and is
     open by now (every rank has passed COMM_WORLD's duplicates); in the
     serialized mode it is made here, collectively, like the duplicates."""

@@ -3,7 +3,7 @@
 In a job launched fault-tolerant (MPICOLL_FT=1 launch/mpirun.sh on Open MPI 5,
 docs/surviving.md), a process that dies makes the collectives of its
 communicators return MPI_ERR_PROC_FAILED (or MPI_ERR_REVOKED: the handler that
-saw the failure revoked the communicator, csrc/core/call.h) on the survivors
+saw the failure revoked the communicator, csrc/engine/call.h) on the survivors
 instead of ending the job.  Such an error carries a marker, and mpicoll raises
 it as RankLost.
 """
@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from .native import extension
 
-_MARKER = "a rank of the job was lost"  # csrc/core/call.h, kRankLostMarker
+_MARKER = "a rank of the job was lost"  # csrc/engine/call.h, kRankLostMarker
 
 
 class RankLost(RuntimeError):

@@ -48,7 +48,7 @@ DEFAULT_GPU_CHUNK_BYTES = 4 << 20
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_STALL_REPORT = 60.0
 # Each local device's last 1,000 collectives (about 150 B each) are kept for
-# the flight dumps (csrc/core/flight.h).
+# the flight dumps (csrc/watch/flight.h).
 DEFAULT_FLIGHT_RECORDS = 1000
 # The measurements behind these two are in ops/ranks_devices.py.
 DEFAULT_LOCAL_COMBINE_BYTES = 1024 * 1024

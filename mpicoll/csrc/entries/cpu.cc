@@ -10,12 +10,12 @@
 #include <utility>
 #include <vector>
 
-#include "../core/algorithms.h"
-#include "../core/call.h"
-#include "../core/collectives.h"
-#include "../core/comm_table.h"
-#include "../core/execute.h"
-#include "../core/guard.h"
+#include "../engine/algorithms.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
+#include "../engine/comm_table.h"
+#include "../engine/execute.h"
+#include "../watch/guard.h"
 #include "../memory/host.h"
 #include "../ops.def"
 #include "entries.h"

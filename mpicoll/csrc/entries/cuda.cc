@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
-#include "../core/comm_table.h"
-#include "../core/execute.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
+#include "../engine/comm_table.h"
+#include "../engine/execute.h"
 #include "../memory/cuda_aware.h"
 #include "../memory/cuda_driver.h"
 #include "../memory/host.h"

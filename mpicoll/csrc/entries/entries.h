@@ -12,13 +12,13 @@
 
 #include <optional>
 
-#include "../core/comm_table.h"
-#include "../core/execute.h"
+#include "../engine/comm_table.h"
+#include "../engine/execute.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpicoll {
 // A handler's `device`: its local device index, XLA's device ordinal mapped
-// by LocalDeviceIndex (core/comm_table.h).  Bound as .Ctx<LocalDevice>().
+// by LocalDeviceIndex (engine/comm_table.h).  Bound as .Ctx<LocalDevice>().
 struct LocalDevice {};
 }  // namespace mpicoll
 
@@ -99,7 +99,7 @@ inline ffi::Future CompletedFuture(const ffi::Error& err) {
 }
 
 // Queues run() (returning ffi::Error) on the device's progress thread
-// (core/progress.h) and returns the future it completes: XLA holds none of its
+// (engine/progress.h) and returns the future it completes: XLA holds none of its
 // threads while the job waits.
 template <typename Run>
 ffi::Future Overlap(int32_t device, Run&& run) {

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
-#include "../core/execute.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
+#include "../engine/execute.h"
 #include "../memory/host.h"
 #include "xla/ffi/api/ffi.h"
 

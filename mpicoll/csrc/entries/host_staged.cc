@@ -10,11 +10,11 @@
 #include <cstring>
 #include <string>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
-#include "../core/dtypes.h"
-#include "../core/execute.h"
-#include "../core/reduce_ops.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
+#include "../engine/dtypes.h"
+#include "../engine/execute.h"
+#include "../engine/reduce_ops.h"
 #include "../memory/host_copier.h"
 #include "../memory/staged.h"
 #include "../ops.def"

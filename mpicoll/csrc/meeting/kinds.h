@@ -19,8 +19,8 @@
 #include <utility>
 #include <vector>
 
-#include "../core/collectives.h"
-#include "../core/execute.h"
+#include "../engine/collectives.h"
+#include "../engine/execute.h"
 #include "../memory/host.h"
 #include "../memory/rows_in_place.h"
 #include "meeting.h"
@@ -82,7 +82,7 @@ inline ffi::Error ReduceLocalSlice(const LocalMeeting& m, const Call& c, int par
 // process over 2 processes x 2 devices, MPI's 1.2-1.4 ms and then 1.1 ms of
 // copying.  So the leader can gather in pieces (each piece an element range of
 // every rank's block: a chunk, as for counts above INT_MAX or the GPU staging
-// pipeline, core/execute.h), publishing each as it lands, and the others copy
+// pipeline, engine/execute.h), publishing each as it lands, and the others copy
 // piece k while MPI moves piece k + 1.  That pays only where the copying
 // threads have cores of their own: each piece is an MPI call (4 pieces cost
 // MPICH 1.17x one call's time in shared memory), and on the 2-core machine,

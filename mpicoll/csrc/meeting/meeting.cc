@@ -17,9 +17,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../core/call.h"
-#include "../core/execute.h"
-#include "../core/guard.h"
+#include "../engine/call.h"
+#include "../engine/execute.h"
+#include "../watch/guard.h"
 #include "../entries/entries.h"
 #include "kinds.def"
 #include "kinds.h"
@@ -356,7 +356,7 @@ ffi::Future CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::
       call->devices += (call->devices.empty() ? "" : ",") + std::to_string(d);
     }
   }
-  // The meeting runs on the device's progress thread (core/progress.h), in this
+  // The meeting runs on the device's progress thread (engine/progress.h), in this
   // device's program order after its queued calls, and XLA holds none of its
   // own threads while the devices wait for each other: a device still
   // computing toward the meeting has XLA's threads to do it with (issue 43).

@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "../core/call.h"
-#include "../core/comm_table.h"
-#include "../core/flight.h"
-#include "../core/guard.h"
+#include "../engine/call.h"
+#include "../engine/comm_table.h"
+#include "../watch/flight.h"
+#include "../watch/guard.h"
 #include "kinds.def"
 #include "xla/ffi/api/ffi.h"
 

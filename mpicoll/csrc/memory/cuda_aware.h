@@ -5,8 +5,8 @@
 
 #include <type_traits>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
 #include "cuda_driver.h"
 #include "host.h"
 

@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <string>
 
-#include "../core/call.h"
+#include "../engine/call.h"
 
 namespace mpicoll {
 #define MPICOLL_CU_FUNCTIONS(X)                                                         \

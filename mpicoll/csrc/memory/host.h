@@ -1,7 +1,7 @@
 // HostMemory: the strategy for host buffers (XLA's CPU buffers, or pinned
 // staging buffers already filled): they are MPI's buffers.  WholeBuffers is
 // what every strategy that hands MPI whole buffers shares.  (The interface a
-// strategy implements is described above RunCollective, core/execute.h.)
+// strategy implements is described above RunCollective, engine/execute.h.)
 #pragma once
 
 #include <mpi.h>
@@ -14,8 +14,8 @@
 #include <string>
 #include <type_traits>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
 
 namespace mpicoll {
 

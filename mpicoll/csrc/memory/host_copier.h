@@ -12,7 +12,7 @@
 #include <cstring>
 #include <string>
 
-#include "../core/call.h"
+#include "../engine/call.h"
 #include "host.h"
 
 namespace mpicoll {

@@ -5,7 +5,7 @@
 // what goes to it and of what comes from it, in message order, and runs one
 // MPI_Alltoallw whose datatypes name them by absolute address (MPI_BOTTOM).
 // (The interface a strategy implements is described above RunCollective,
-// core/execute.h.)
+// engine/execute.h.)
 #pragma once
 
 #include <mpi.h>
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "../core/call.h"
+#include "../engine/call.h"
 #include "host.h"
 
 namespace mpicoll {

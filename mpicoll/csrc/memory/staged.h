@@ -27,9 +27,9 @@
 #include <mutex>
 #include <string>
 
-#include "../core/call.h"
-#include "../core/collectives.h"
-#include "../core/execute.h"
+#include "../engine/call.h"
+#include "../engine/collectives.h"
+#include "../engine/execute.h"
 #include "host.h"
 #include "xla/ffi/api/ffi.h"
 

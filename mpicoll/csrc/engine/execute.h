@@ -32,7 +32,7 @@
 #include "collectives.h"
 #include "comm_table.h"
 #include "dtypes.h"
-#include "guard.h"
+#include "../watch/guard.h"
 #include "progress.h"
 #include "reduce_ops.h"
 #include "xla/ffi/api/ffi.h"

@@ -1,4 +1,4 @@
-// What the watchdog (core/watchdog.h) finds in the ranks' states
+// What the watchdog (watch/watchdog.h) finds in the ranks' states
 // (rank_state.h) and how it says it: a rank's line in a report, the rules
 // for a wait that can never end (a divergence), and the stall report.
 #pragma once

@@ -19,7 +19,7 @@
 
 #include "call.h"
 #include "dtypes.h"
-#include "guard.h"
+#include "../watch/guard.h"
 
 namespace mpicoll {
 

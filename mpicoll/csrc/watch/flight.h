@@ -46,8 +46,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "call.h"
-#include "dtypes.h"
+#include "../engine/call.h"
+#include "../engine/dtypes.h"
 
 namespace mpicoll {
 

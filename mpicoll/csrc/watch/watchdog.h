@@ -30,8 +30,8 @@
 #include <thread>
 #include <vector>
 
-#include "call.h"
-#include "dtypes.h"
+#include "../engine/call.h"
+#include "../engine/dtypes.h"
 #include "guard.h"
 #include "rank_state.h"
 #include "reports.h"

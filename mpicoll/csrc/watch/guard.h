@@ -18,11 +18,11 @@
 #include <unordered_set>
 #include <vector>
 
-#include "call.h"
-#include "comm_table.h"
-#include "dtypes.h"
+#include "../engine/call.h"
+#include "../engine/comm_table.h"
+#include "../engine/dtypes.h"
 #include "flight.h"
-#include "reduce_ops.h"
+#include "../engine/reduce_ops.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpicoll {
@@ -164,7 +164,7 @@ std::string MismatchMessage(MPI_Comm comm, const std::string& comm_name, int ran
 
 // Every check is one MPI_Allgather of a fixed-size record per rank on the
 // checks' communicator: its fingerprint, and, for a small allreduce checked on
-// every call, its block (core/execute.h: the check then is the collective).
+// every call, its block (engine/execute.h: the check then is the collective).
 // Every rank sends the same size whatever it calls, so any two checks meet
 // and compare, and a mismatched shape never truncates a message.
 constexpr size_t kCheckRecordsBytes = 4096;  // every rank's records together
@@ -220,7 +220,7 @@ inline std::string Describe(const Call& c, ffi::DataType dtype, ffi::Span<const 
 }
 
 // ---------------------------------------------------------------------------
-// What each local device is doing, for the watchdog (core/watchdog.h): the
+// What each local device is doing, for the watchdog (watch/watchdog.h): the
 // collective it is in (its facts, its communicator, sequence number and call
 // site), whether it is still checking it across ranks, since when; when it
 // last left one.  A few relaxed atomic stores per call, so it is always on.

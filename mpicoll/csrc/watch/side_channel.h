@@ -1,0 +1,303 @@
+// The watchdogs' side channel (watchdog.h, rank_state.h): a private duplicate
+// of COMM_WORLD, made without blocking at import (MPI_Comm_idup, completed by
+// the watchdog thread), so the ranks can ask each other from the job's first
+// collective on, even when one rank never reaches it.  It needs
+// MPI_THREAD_MULTIPLE; in the serialized mode Python makes it at COMM_WORLD's
+// first use and the watchdog thread, which may not call MPI there, leaves it
+// alone.  Here: its tags, its opening (with every rank's host and pid), sending
+// and receiving on it, and the flight records a report gathers over it.
+#pragma once
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../engine/call.h"
+#include "flight.h"
+
+namespace mpicoll {
+inline std::atomic<MPI_Comm> side_channel{MPI_COMM_NULL};  // set once it is open
+// Python's exit handler sets stop before MPI is finalized and waits for
+// stopped: after it the watchdog makes no MPI call.
+inline std::atomic<bool> watchdog_stop{false}, watchdog_stopped{false};
+
+constexpr int kStateRequestTag = 7301;
+constexpr int kStateReplyTag = 7302;
+constexpr int kAbortNoticeTag = 7303;      // "rank r is ending the job" (an uncaught exception)
+constexpr int kTracebackNoticeTag = 7304;  // "rank r prints the traceback that ends it"
+constexpr int kEndNoticeTag = 7305;        // "rank r has ended: its last calls are ..."
+constexpr int kDumpNoticeTag = 7306;       // "rank r reports a divergence: write your records"
+constexpr int kRecordsTag = 7307;          // a rank's flight records, for the reporting rank's folder
+constexpr double kAnswerWithin = 3.0;      // s a report waits for the other ranks' answers
+constexpr double kProbeAnswerWithin = 1.0;  // s a probe waits: a rank that cannot answer
+                                            // is not asked again for 3 s at each probe
+
+inline void Copy(char* into, size_t size, const std::string& text) {
+  std::snprintf(into, size, "%s", text.c_str());
+}
+
+// COMM_WORLD's rank and size, read once by the thread that starts the watchdog
+// (in the serialized mode the watchdog thread may not call MPI).
+inline std::atomic<int> world_rank{-1}, world_size{1};
+inline int WorldRank() { return world_rank.load(); }
+
+inline void NoteWorld() {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  world_rank.store(rank);
+  world_size.store(size);
+}
+
+inline bool SideChannelUp() {
+  return side_channel.load() != MPI_COMM_NULL && !serialize_mpi_calls.load();
+}
+
+// ---------------------------------------------------------------------------
+// Every rank's host name and process id, gathered when the side channel
+// opens: a rank that cannot answer (its host is gone) is still named with its
+// host, and the job's flight records go to one folder named after rank 0's.
+struct ProcessId {
+  char host[64] = {};
+  int64_t pid = 0;
+};
+inline std::mutex hosts_mutex;
+inline std::vector<std::string> world_hosts;
+
+inline std::string HostOf(int rank) {
+  std::lock_guard<std::mutex> lock(hosts_mutex);
+  return rank >= 0 && rank < static_cast<int>(world_hosts.size()) ? world_hosts[rank]
+                                                                   : std::string("?");
+}
+
+// The folder flight records go to when MPICOLL_FLIGHT_DIR is not set: one per
+// job under the temporary directory, named after rank 0's host and pid (the
+// same on every rank); this process's own until the ranks have met.
+inline std::string flight_root;  // "": MPICOLL_FLIGHT_DIR was set (flight_dir is it)
+
+inline void ChooseJobFlightDir(const std::string& host, int64_t pid) {
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  if (!flight_root.empty()) {
+    flight_dir = flight_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
+  }
+}
+
+inline void SetWorldProcesses(const std::vector<ProcessId>& all) {
+  std::vector<std::string> hosts;
+  for (const ProcessId& p : all) hosts.emplace_back(p.host);
+  {
+    std::lock_guard<std::mutex> lock(hosts_mutex);
+    world_hosts = std::move(hosts);
+  }
+  if (!all.empty()) ChooseJobFlightDir(all[0].host, all[0].pid);
+}
+
+inline ProcessId ThisProcess() {
+  ProcessId me;
+  gethostname(me.host, sizeof(me.host) - 1);
+  me.pid = static_cast<int64_t>(getpid());
+  return me;
+}
+
+// The nonblocking opening (MULTIPLE mode): MPI_Comm_idup at import, then an
+// MPI_Iallgather of every rank's ProcessId, both completed by the watchdog's
+// polls (OpenSideChannelStep).
+inline MPI_Comm opening_channel = MPI_COMM_NULL;
+inline MPI_Request opening_request = MPI_REQUEST_NULL;
+inline std::atomic<int> opening_stage{0};  // 0 none, 1 dup, 2 gather, 3 open
+inline ProcessId opening_mine;
+inline std::vector<ProcessId> opening_all;
+
+inline void BeginOpeningSideChannel() {
+  if (opening_stage.load() != 0 || serialize_mpi_calls.load()) return;
+  if (MPI_Comm_idup(MPI_COMM_WORLD, &opening_channel, &opening_request) == MPI_SUCCESS) {
+    opening_stage.store(1);
+  }
+}
+
+inline std::mutex opening_mutex;  // the watchdog's polls, or a rank that ends (AnnounceEnd)
+
+inline void OpenSideChannelStep() {
+  std::lock_guard<std::mutex> lock(opening_mutex);
+  const int stage = opening_stage.load();
+  if (stage != 1 && stage != 2) return;
+  int done = 0;
+  if (MPI_Test(&opening_request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) return;
+  if (stage == 1) {
+    MPI_Comm_set_name(opening_channel, "mpicoll:watchdog");
+    MPI_Comm_set_errhandler(opening_channel, MPI_ERRORS_RETURN);
+    opening_mine = ThisProcess();
+    opening_all.assign(world_size.load(), ProcessId());
+    MPI_Iallgather(&opening_mine, sizeof(ProcessId), MPI_BYTE, opening_all.data(),
+                   sizeof(ProcessId), MPI_BYTE, opening_channel, &opening_request);
+    opening_stage.store(2);
+    return;
+  }
+  SetWorldProcesses(opening_all);
+  side_channel.store(opening_channel);
+  opening_stage.store(3);
+}
+
+// Completes the opening within `seconds` (a rank that ends right after its
+// import: the others wait for it on the channel).
+inline void FinishOpeningSideChannel(double seconds) {
+  const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
+  while (opening_stage.load() != 0 && opening_stage.load() != 3 && NowNs() < deadline) {
+    OpenSideChannelStep();
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+
+// Receives every pending message with `tag` on the side channel and hands it
+// to handle(source, bytes); nothing where the channel is down.
+template <typename Handle>
+inline void ReceiveEach(int tag, Handle&& handle) {
+  if (!SideChannelUp()) return;
+  MPI_Comm comm = side_channel.load();
+  for (;;) {
+    // A matched probe: the main thread may take notices at the same time
+    // (AnnounceAbort), and a plain probe-then-receive could leave one thread
+    // blocked in a receive whose message the other took.
+    int pending = 0;
+    MPI_Message message;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, tag, comm, &pending, &message, &status) != MPI_SUCCESS ||
+        !pending) {
+      return;
+    }
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    std::vector<char> data(std::max(bytes, 0));
+    MPI_Mrecv(data.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    handle(status.MPI_SOURCE, data);
+  }
+}
+
+inline int IntOf(const std::vector<char>& bytes) {
+  int value = -1;
+  if (bytes.size() >= sizeof(int)) std::memcpy(&value, bytes.data(), sizeof(int));
+  return value;
+}
+
+// Sends `bytes` with `tag` to `ranks`; waits up to `wait_ms` for the sends to
+// leave (a process about to exit), else lets them complete alone.
+inline void SendToRanks(const std::vector<char>& bytes, int tag, const std::vector<int>& ranks,
+                        int wait_ms) {
+  if (!SideChannelUp()) return;
+  MPI_Comm comm = side_channel.load();
+  // The sends' buffers, kept for the process: a send nobody receives stays posted.
+  static std::mutex kept_mutex;
+  static std::list<std::vector<char>> kept;
+  const std::vector<char>* kept_bytes;
+  {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    kept.push_back(bytes);
+    kept_bytes = &kept.back();
+  }
+  const std::vector<char>& buffer = *kept_bytes;
+  std::vector<MPI_Request> sends;
+  for (int r : ranks) {
+    if (r == WorldRank()) continue;
+    MPI_Request request;
+    if (MPI_Isend(buffer.data(), static_cast<int>(buffer.size()), MPI_BYTE, r, tag, comm,
+                  &request) == MPI_SUCCESS) {
+      sends.push_back(request);
+    }
+  }
+  const int64_t deadline = NowNs() + int64_t{wait_ms} * 1000000;
+  int done = sends.empty();
+  while (!done && NowNs() < deadline) {
+    MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  for (MPI_Request& request : sends) {
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  }
+}
+
+inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms) {
+  std::vector<int> everyone(world_size.load());
+  for (int r = 0; r < world_size.load(); ++r) everyone[r] = r;
+  SendToRanks(bytes, tag, everyone, wait_ms);
+}
+
+// ---------------------------------------------------------------------------
+// Flight records a multi-node job can read: the rank that writes a report asks
+// the others for theirs (a dump notice, watchdog.h) and writes them into its
+// own folder (its node's temporary directory, or MPICOLL_FLIGHT_DIR), beside
+// its own, so that the report names one place holding every rank's.  Each rank still writes its
+// own full ring on its node; the copy sent holds its last kSentRecords per
+// device, and is sent only in jobs of up to kCollectRecordsUpTo ranks.
+constexpr size_t kSentRecords = 200;
+constexpr int kCollectRecordsUpTo = 256;
+
+inline bool CollectingRecords() {
+  return world_size.load() <= kCollectRecordsUpTo && flight_capacity.load() > 0;
+}
+
+// Sends this rank's records to `reporter`: its flight folder, then the records.
+inline void SendRecords(int reporter, const std::string& reason) {
+  if (!CollectingRecords() || reporter == WorldRank()) return;
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = flight_dir;
+  }
+  const std::string json = RecordsJson(WorldRank(), world_size.load(), RecentDumpReason(reason),
+                                       Kept::kFlight, kSentRecords);
+  std::vector<char> bytes(dir.begin(), dir.end());
+  bytes.push_back('\0');
+  bytes.insert(bytes.end(), json.begin(), json.end());
+  SendToRanks(bytes, kRecordsTag, {reporter}, /*wait_ms=*/0);
+}
+
+// Receives the records `from` sends for up to `seconds` (every one, or the
+// time is up) and writes each into this rank's folder, unless the sender's own
+// copy is already there (the same folder on a shared or the same file system).
+inline void CollectRecords(std::vector<int> from, double seconds) {
+  if (!SideChannelUp() || !CollectingRecords()) return;
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(flight_setup_mutex);
+    dir = flight_dir;
+  }
+  MPI_Comm comm = side_channel.load();
+  const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
+  while (!from.empty() && NowNs() < deadline) {
+    int pending = 0;
+    MPI_Message message;
+    MPI_Status status;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kRecordsTag, comm, &pending, &message, &status) !=
+        MPI_SUCCESS) {
+      return;
+    }
+    if (!pending) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      continue;
+    }
+    int size = 0;
+    MPI_Get_count(&status, MPI_BYTE, &size);
+    std::vector<char> data(std::max(size, 0));
+    MPI_Mrecv(data.data(), size, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+    from.erase(std::remove(from.begin(), from.end(), status.MPI_SOURCE), from.end());
+    const auto end_of_dir = std::find(data.begin(), data.end(), '\0');
+    if (end_of_dir == data.end()) continue;
+    const std::string theirs(data.begin(), end_of_dir);
+    const std::string name = "rank" + std::to_string(status.MPI_SOURCE) + ".json";
+    if (theirs == dir && WrittenWithin(dir + "/" + name, /*seconds=*/30)) continue;
+    WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
+  }
+}
+
+}  // namespace mpicoll
