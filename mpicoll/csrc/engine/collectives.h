@@ -19,13 +19,16 @@ namespace mpicoll {
 // The fields of a row are described in ops.def.
 enum Family { kBlocks, kVector, kVectorPairs, kPeer };
 enum Zeros { kNever, kOffRoot, kOnRankZero, kFromProcNull };
+enum Reduction { kNoReduction, kWholeReduction, kPrefixReduction };
 
-#define MPICOLL_DEFINE_OP(Type, text, family, reduces, rooted, blocks_in, blocks_out,      \
+#define MPICOLL_DEFINE_OP(Type, text, family, reduction, rooted, blocks_in, blocks_out,    \
                           in_place, root_input, zeros, body)                               \
   struct Type {                                                                           \
     static constexpr const char* kName = text;                                            \
     static constexpr Family kFamily = family;                                             \
-    static constexpr bool kReduces = reduces, kRooted = rooted, kBlocksIn = blocks_in,    \
+    static constexpr bool kReduces = reduction != kNoReduction,                           \
+                          kPrefix = reduction == kPrefixReduction,                        \
+                          kRooted = rooted, kBlocksIn = blocks_in,                        \
                           kBlocksOut = blocks_out, kInPlace = in_place,                   \
                           kRootInput = root_input, kChunked = family == kBlocks;          \
     static constexpr Zeros kZeros = zeros;                                                \
@@ -43,6 +46,12 @@ size_t BlockElements(const Call& c) { return c.in_count / RowsIn<Op>(c); }
 // Whether this rank's input is read, and whether its output comes from MPI.
 template <typename Op>
 bool ReadsInput(const Call& c) { return !Op::kRootInput || c.rank == c.root; }
+
+// MPI works on one buffer that the root fills (bcast: in place, only the
+// root's input read): a strategy whose output is not the input copies the
+// root's input there first.
+template <typename Op>
+constexpr bool kRootFillsOneBuffer = Op::kInPlace && Op::kRootInput;
 template <typename Op>
 bool OutputIsZeros(const Call& c) {
   switch (Op::kZeros) {
@@ -64,11 +73,11 @@ void ToTruth(char* data, size_t count) {
   for (size_t i = 0; i < count; ++i) words[i] = words[i] != 0;
 }
 
-struct ScanOp;
+// A logical reduction's result as MPI leaves it is not 0/1 where a rank's
+// result is its own input: on one rank, or on rank 0 of a prefix reduction.
 template <typename Op>
 bool NeedsTruthValues(const Call& c) {
-  constexpr bool kPrefix = std::is_same_v<Op, ScanOp> || std::is_same_v<Op, ExscanOp>;
-  return (c.size == 1 || kPrefix) && (c.op == kLand || c.op == kLor || c.op == kLxor);
+  return (c.size == 1 || Op::kPrefix) && (c.op == kLand || c.op == kLor || c.op == kLxor);
 }
 
 template <typename Op>

@@ -162,6 +162,7 @@ ffi::Error Prepare(Call& c, int32_t device, int64_t comm_slot, int64_t root, int
 // The strategies are in memory/: host.h (XLA's CPU buffers, or any host
 // buffers, are MPI's), staged.h (GPU data through pinned host buffers, in a
 // copy pipeline), cuda_aware.h (device pointers to a CUDA-aware MPI).
+
 // The one loop every collective runs, on any memory.
 template <typename Op, typename Memory>
 int RunCollective(Call& c, Memory& memory) {
@@ -192,6 +193,7 @@ int RunCollective(Call& c, Memory& memory) {
 // across ranks in check mode (`describe()` says what this rank calls).
 // A synchronous call first lets the device's queued overlapped calls finish
 // (they come earlier in program order), then takes the serialized mode's lock
+// (where MPI is not MPI_THREAD_MULTIPLE: one MPI call at a time in the process).
 
 template <typename Op, typename Memory, typename Describe, typename BeforeRun = NothingBeforeRun>
 ffi::Error Execute(Call& c, int32_t device, Memory& memory, Describe&& describe,

@@ -24,6 +24,7 @@
 #include "../memory/cuda_driver.h"
 #include "../memory/host.h"
 #include "../memory/staged.h"
+#include "staged_entry.h"
 #include "../ops.def"
 #include "entries.h"
 #include "fused.h"

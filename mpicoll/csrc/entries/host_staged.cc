@@ -17,6 +17,7 @@
 #include "../engine/reduce_ops.h"
 #include "../memory/host_copier.h"
 #include "../memory/staged.h"
+#include "staged_entry.h"
 #include "../ops.def"
 #include "entries.h"
 #include "xla/ffi/api/ffi.h"

@@ -21,8 +21,8 @@ class CudaAwareMemory : public WholeBuffers {
   template <typename Op>
   int Begin(Call& c) {
     c.device_buffers = true;  // no host-side algorithm (PairwiseReduceScatter) on these
-    // bcast sends from its output buffer.
-    if (std::is_same_v<Op, BcastOp> && !InPlace(c) && c.rank == c.root) {
+    // The root's input into the one buffer MPI works on (bcast).
+    if (kRootFillsOneBuffer<Op> && !InPlace(c) && c.rank == c.root) {
       if (int rc = copier_.Copy(error, c.out, c.in, c.out_count * c.elem_bytes);
           rc != MPI_SUCCESS) {
         return rc;

@@ -57,8 +57,8 @@ struct HostMemory : WholeBuffers {
   template <typename Op>
   int Begin(Call& c) {
     if (!InPlace(c) && advise_huge_pages) AdviseHugePages(c.out, c.out_count * c.elem_bytes);
-    // bcast sends from its output buffer.
-    if (std::is_same_v<Op, BcastOp> && !InPlace(c) && c.rank == c.root) {
+    // The root's input into the one buffer MPI works on (bcast).
+    if (kRootFillsOneBuffer<Op> && !InPlace(c) && c.rank == c.root) {
       std::memcpy(c.out, c.in, c.out_count * c.elem_bytes);
     }
     return MPI_SUCCESS;

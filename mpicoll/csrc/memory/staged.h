@@ -29,7 +29,6 @@
 
 #include "../engine/call.h"
 #include "../engine/collectives.h"
-#include "../engine/execute.h"
 #include "host.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -194,28 +193,5 @@ class SingleRankMemory : public WholeBuffers {
  private:
   Copier copier_;
 };
-
-// Whether a call on a one-rank communicator is a copy on the device
-// (SingleRankMemory): the 0/1 fix-up of logical ops runs on host bytes, so it
-// is staged; point-to-point on one rank is a message to itself, not a copy.
-template <typename Op>
-bool CopiesOnDevice(const Call& c) {
-  return c.size == 1 && Op::kFamily != kPeer && !NeedsTruthValues<Op>(c);
-}
-
-// Runs a call whose buffers are device memory through the staging buffers
-// (or, on one rank, as a copy on the device).
-template <typename Op, typename Copier, typename Describe>
-ffi::Error ExecuteStaged(Call& c, int32_t device, const Copier& copier,
-                         DeviceStaging<Copier>& staging, size_t chunk_bytes,
-                         Describe&& describe) {
-  if (CopiesOnDevice<Op>(c)) {
-    SingleRankMemory<Copier> memory(copier);
-    return Execute<Op>(c, device, memory, describe);
-  }
-  std::lock_guard<std::mutex> lock(staging.mutex);
-  StagedMemory<Copier> memory(staging, copier, chunk_bytes);
-  return Execute<Op>(c, device, memory, describe);
-}
 
 }  // namespace mpicoll
