@@ -52,6 +52,13 @@ bool ReadsInput(const Call& c) { return !Op::kRootInput || c.rank == c.root; }
 // root's input there first.
 template <typename Op>
 constexpr bool kRootFillsOneBuffer = Op::kInPlace && Op::kRootInput;
+
+// Every rank receives the reduction of every rank's whole input (allreduce):
+// a check whose records carry each rank's input is then the collective itself
+// (execute.h, ChecksWithData).
+template <typename Op>
+constexpr bool kEveryRankGetsTheReduction = Op::kReduces && !Op::kPrefix && !Op::kRooted &&
+                                            !Op::kBlocksIn && !Op::kBlocksOut;
 template <typename Op>
 bool OutputIsZeros(const Call& c) {
   switch (Op::kZeros) {

@@ -92,7 +92,7 @@ struct HostBuffersOf<Memory, std::void_t<decltype(Memory::kHostBuffers)>>
 
 template <typename Op, typename Memory, typename BeforeRun>
 bool ChecksWithData(const Call& c, const CheckPlan& plan) {
-  if constexpr (!std::is_same_v<Op, AllreduceOp> || !HostBuffersOf<Memory>::value ||
+  if constexpr (!kEveryRankGetsTheReduction<Op> || !HostBuffersOf<Memory>::value ||
                 !std::is_same_v<std::decay_t<BeforeRun>, NothingBeforeRun>) {
     return false;
   } else {
