@@ -7,16 +7,16 @@ Participant p = rank * L + k holds DATA[p].  Prints "ALL OK" when every check
 passes; exits non-zero otherwise.
 """
 
-import os
 import sys
+
+from _common import Checker, fake_cpu_devices, report_and_exit
 
 LOCAL = int(sys.argv[1])
 from mpi4py import MPI  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 PARTICIPANTS = SIZE * LOCAL
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={PARTICIPANTS}")
+fake_cpu_devices(PARTICIPANTS)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -25,7 +25,6 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
-from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 MINE = slice(RANK * LOCAL, (RANK + 1) * LOCAL)  # this rank's participants
@@ -33,13 +32,7 @@ LOCAL_DEVICES = jax.devices()[:LOCAL]
 LOCAL_MESH = Mesh(np.array(LOCAL_DEVICES), ("i",))
 GLOBAL_MESH = Mesh(np.array(jax.devices()), ("i",))
 failures = []
-
-
-def check(name, got, expected, rtol=1e-12):
-    try:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=rtol, atol=1e-12)
-    except AssertionError as error:
-        failures.append(f"{name}: {error}")
+check = Checker(failures, rtol=1e-12, atol=1e-12)
 
 
 def data(shape, seed=0, dtype=np.float64):

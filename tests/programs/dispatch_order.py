@@ -21,11 +21,11 @@ wrong data or a hang (the watchdog and the launcher's timeout end it).  Every
 result is checked against numpy.  Prints "ALL OK" when every check passes.
 """
 
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=2")
+from _common import fake_cpu_devices
+
+fake_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

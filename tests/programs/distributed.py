@@ -9,12 +9,12 @@ psum on a global mesh over each process's devices and over all (100 calls in
 flight), a second initialize() refused.  Prints "ALL OK (R ranks x L devices)".
 """
 
-import os
 import sys
 
+from _common import fake_cpu_devices, report_and_exit
+
 LOCAL = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={LOCAL}")
+fake_cpu_devices(LOCAL)
 
 from mpi4py import MPI  # noqa: E402
 
@@ -24,24 +24,24 @@ import numpy as np  # noqa: E402
 
 import mpicoll  # noqa: E402
 import mpicoll.distributed  # noqa: E402
-from report import report_and_exit  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 failures = []
 
 
-def check(name, ok, detail=""):
+def expect(name, ok, detail=""):
+    """A failure unless ok; detail says what was seen instead."""
     if not ok:
         failures.append(f"{name}: {detail}")
 
 
 mpicoll.distributed.initialize(initialization_timeout=60)
-check("initialized", mpicoll.distributed.is_initialized() and jax.distributed.is_initialized())
-check("process index", jax.process_index() == RANK, jax.process_index())
-check("process count", jax.process_count() == SIZE, jax.process_count())
-check("local devices", jax.local_device_count() == LOCAL, jax.local_device_count())
-check("global devices", len(jax.devices()) == SIZE * LOCAL, jax.devices())
+expect("initialized", mpicoll.distributed.is_initialized() and jax.distributed.is_initialized())
+expect("process index", jax.process_index() == RANK, jax.process_index())
+expect("process count", jax.process_count() == SIZE, jax.process_count())
+expect("local devices", jax.local_device_count() == LOCAL, jax.local_device_count())
+expect("global devices", len(jax.devices()) == SIZE * LOCAL, jax.devices())
 
 # JAX's own multi-process API (its CPU collectives).
 from jax.experimental import multihost_utils  # noqa: E402
@@ -49,21 +49,21 @@ from jax.experimental import multihost_utils  # noqa: E402
 mine = np.arange(3, dtype=np.float32) + 10 * RANK
 gathered = np.asarray(multihost_utils.process_allgather(mine))
 want = np.stack([np.arange(3, dtype=np.float32) + 10 * r for r in range(SIZE)])
-check("process_allgather", np.array_equal(gathered, want), gathered)
+expect("process_allgather", np.array_equal(gathered, want), gathered)
 
 # mpicoll's collectives beside it: eager, jitted, and over ranks x local devices.
 x = np.arange(4, dtype=np.float32) * (RANK + 1)
 total = sum(np.arange(4, dtype=np.float32) * (r + 1) for r in range(SIZE))
-check("allreduce eager", np.array_equal(np.asarray(mpicoll.allreduce(x)), total))
-check("allreduce jit", np.array_equal(np.asarray(jax.jit(mpicoll.allreduce)(x)), total))
+expect("allreduce eager", np.array_equal(np.asarray(mpicoll.allreduce(x)), total))
+expect("allreduce jit", np.array_equal(np.asarray(jax.jit(mpicoll.allreduce)(x)), total))
 per_device = np.stack([x + k for k in range(LOCAL)])
 out = jax.pmap(lambda v: mpicoll.allreduce(v, axis_name="d"), axis_name="d",
                devices=jax.local_devices())(per_device)
 everyone = sum(np.arange(4, dtype=np.float32) * (r + 1) + k
                for r in range(SIZE) for k in range(LOCAL))
-check("allreduce ranks x devices", np.allclose(np.asarray(out), everyone), out)
+expect("allreduce ranks x devices", np.allclose(np.asarray(out), everyone), out)
 gathered = np.asarray(mpicoll.allgather(jnp.asarray([RANK], jnp.int32)))
-check("allgather", np.array_equal(gathered, np.arange(SIZE)[:, None]), gathered)
+expect("allgather", np.array_equal(gathered, np.arange(SIZE)[:, None]), gathered)
 
 # A global mesh: psum over the devices of each process and over all of them, 100
 # calls dispatched without waiting.  Over the devices of one process XLA's own
@@ -88,13 +88,13 @@ for axes, program in loops.items():
         mine_out = np.concatenate([np.asarray(s.data) for s in sorted(
             out.addressable_shards, key=lambda s: s.device.id)])
         if not np.array_equal(mine_out, expected[axes]):
-            check(f"global mesh psum over {axes}, call {i}", False, mine_out)
+            expect(f"global mesh psum over {axes}, call {i}", False, mine_out)
             break
 
 try:
     mpicoll.distributed.initialize()
-    check("second initialize", False, "no error")
+    expect("second initialize", False, "no error")
 except RuntimeError as error:
-    check("second initialize", "already called" in str(error), error)
+    expect("second initialize", "already called" in str(error), error)
 
 report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices)")

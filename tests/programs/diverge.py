@@ -39,9 +39,10 @@ import os
 import sys
 import time
 
+from _common import fake_cpu_devices
+
 if sys.argv[1] == "mesh-finish":  # before JAX starts its CPU backend
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=2")
+    fake_cpu_devices(2)
 import jax
 import jax.numpy as jnp
 import numpy as np

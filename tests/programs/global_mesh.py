@@ -18,13 +18,14 @@ import os
 import re
 import sys
 
+from _common import fake_cpu_devices, report_and_exit
+
 LOCAL = int(sys.argv[1])
 REFERENCE_FILE = sys.argv[2]
 MAKING_REFERENCE = "--reference" in sys.argv
 SIZE = int(sys.argv[sys.argv.index("--reference") + 1]) if MAKING_REFERENCE else None
 DEVICES_HERE = SIZE * LOCAL if MAKING_REFERENCE else LOCAL
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={DEVICES_HERE}")
+fake_cpu_devices(DEVICES_HERE)
 # The large all_gather below in 3 pieces on any machine (by default, only where the
 # device threads have cores of their own): a short last piece, and the copies out.
 os.environ.setdefault("MPICOLL_GATHER_PIECES", "3")
@@ -39,7 +40,6 @@ if not MAKING_REFERENCE:
     from mpi4py import MPI  # noqa: E402
 
     import mpicoll.distributed  # noqa: E402
-    from report import report_and_exit  # noqa: E402
 
     mpicoll.distributed.initialize(initialization_timeout=60)
     RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

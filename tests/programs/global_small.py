@@ -14,13 +14,13 @@ outside pmap), so it waits for a device that never comes; MPICOLL_TIMEOUT must
 end the job.
 """
 
-import os
 import sys
+
+from _common import Checker, fake_cpu_devices, report_and_exit
 
 LOCAL = int(sys.argv[1])
 SCENARIO = sys.argv[2] if len(sys.argv) > 2 else "check"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={LOCAL}")
+fake_cpu_devices(LOCAL)
 
 from mpi4py import MPI  # noqa: E402
 
@@ -30,7 +30,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
-from report import report_and_exit  # noqa: E402
 from mpicoll.ops import ranks_devices  # noqa: E402
 from mpicoll.runtime import settings  # noqa: E402
 from mpicoll.ops import local_meeting  # noqa: E402
@@ -42,6 +41,7 @@ DEVICES = jax.local_devices()[:LOCAL]
 MESH = Mesh(np.array(DEVICES), ("i",))
 THRESHOLD = int(ranks_devices.local_combine_bytes(LOCAL))
 failures = []
+check = Checker(failures, rtol=1e-6, atol=1e-6)
 
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
@@ -54,14 +54,6 @@ if SCENARIO == "stray":
 
 def fail(name, message):
     failures.append(f"{name}: {message}")
-
-
-def check(name, got, expected, rtol=1e-6):
-    try:
-        np.testing.assert_allclose(np.asarray(got, dtype=np.float64),
-                                   np.asarray(expected, dtype=np.float64), rtol=rtol, atol=1e-6)
-    except AssertionError as error:
-        fail(name, error)
 
 
 def my_data(count, dtype, seed):

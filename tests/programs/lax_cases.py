@@ -2,17 +2,12 @@
 axes a parameter, run by mpicoll across ranks and by JAX in one process), and their checks."""
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-failures = []  # this rank's failed checks, reported by report.report_and_exit
+from _common import Checker
 
-
-def check(name, got, expected):
-    try:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-10, atol=1e-12)
-    except AssertionError as error:
-        failures.append(f"{name}: {str(error)[:600]}")
+failures = []  # this rank's failed checks, reported by _common.report_and_exit
+check = Checker(failures, rtol=1e-10, atol=1e-12)
 
 
 def attempt(name, fn):

@@ -10,16 +10,16 @@ every participant's cotangent, the body under vmap, and check_vma's types
 (out_specs P() for an invariant result) are compared.  Prints "ALL OK".
 """
 
-import os
 import sys
+
+from _common import fake_cpu_devices, report_and_exit
 
 LOCAL = int(sys.argv[1])
 from mpi4py import MPI  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 N = SIZE * LOCAL
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={N}")
+fake_cpu_devices(N)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -29,7 +29,6 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
 from lax_cases import CASES, attempt, blocks, check, failures, varying_axes  # noqa: E402
-from report import report_and_exit  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 R = mpicoll.RANKS

@@ -17,9 +17,11 @@ import sys
 
 from mpi4py import MPI
 
+from _common import fake_cpu_devices
+
 rank = MPI.COMM_WORLD.Get_rank()
 counts = [int(c) for c in sys.argv[1].split(",")]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={counts[rank]}"
+fake_cpu_devices(counts[rank])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

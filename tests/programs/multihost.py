@@ -26,10 +26,11 @@ import os
 import sys
 import time
 
+from _common import fake_cpu_devices
+
 LOCAL_DEVICES = 2
 if "global" in sys.argv[1:]:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={LOCAL_DEVICES}")
+    fake_cpu_devices(LOCAL_DEVICES)
 
 import jax  # noqa: E402
 

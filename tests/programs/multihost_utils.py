@@ -9,12 +9,12 @@ exception type and message is the reference; numpy says what the data is.
 Prints "ALL OK (R ranks x L devices, multihost_utils)".
 """
 
-import os
 import sys
 
+from _common import fake_cpu_devices, report_and_exit
+
 LOCAL = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={LOCAL}")
+fake_cpu_devices(LOCAL)
 
 from mpi4py import MPI  # noqa: E402
 
@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mpicoll.distributed  # noqa: E402
 from mpicoll.over_ranks import multihost  # noqa: E402
-from report import report_and_exit  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 failures = []

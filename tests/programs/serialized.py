@@ -12,12 +12,12 @@ under mpicoll's lock).  Prints "ALL OK" when every check passes.  With L = 2
 each rank prints the error the first collective raises ("REFUSED: ...").
 """
 
-import os
 import sys
 
+from _common import Checker, fake_cpu_devices
+
 LOCAL = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={LOCAL}")
+fake_cpu_devices(LOCAL)
 if "--rc" in sys.argv:  # the level chosen in Python, before mpi4py.MPI is imported
     import mpi4py
     mpi4py.rc.thread_level = "serialized"
@@ -31,15 +31,12 @@ import mpicoll  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+failures = []
+check = Checker(failures, rtol=0, atol=0)  # exactly
 
 
 def data(rank, step=0):
     return np.arange(4, dtype=np.float32) + 10 * rank + 100 * step
-
-
-def check(name, actual, expected):
-    if not np.array_equal(np.asarray(actual), np.asarray(expected)):
-        raise SystemExit(f"rank {RANK}: {name}: got {np.asarray(actual)}, expected {expected}")
 
 
 def main():
@@ -100,6 +97,8 @@ def main():
         else:
             raise SystemExit(f"rank {RANK}: the one-rank rejection did not raise")
         check("after the rejection", mpicoll.allreduce(jnp.ones(1)), [SIZE])
+    if failures:
+        raise SystemExit(f"rank {RANK}: " + "\n".join(failures))
     print(f"rank {RANK}: ALL OK", flush=True)
 
 

@@ -10,11 +10,12 @@ jax.set_mesh, with Auto axes, and under grad and vmap; the result's layout is
 checked against the documented one.  Prints "SHARDED OK" on rank 0.
 """
 
-import os
 import sys
 
+from _common import fake_cpu_devices
+
 DEVICES = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -12,12 +12,13 @@ collective on different local devices: no divergence or deadlock verdict may
 end the job.  Results are checked against numpy; prints "SLOW DEVICE OK".
 """
 
-import os
 import sys
 import time
 
+from _common import fake_cpu_devices
+
 DEVICES, SECONDS = int(sys.argv[1]), float(sys.argv[2])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -16,13 +16,13 @@ leaves exactly; the MLP's gradient against each participant's own gradient
 computed alone, summed by numpy).  Prints "SOAK OK" on success.
 """
 
-import os
 import sys
+
+from _common import fake_cpu_devices
 
 DEVICES, MODE, STEPS = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 LARGEST = int(sys.argv[4]) if len(sys.argv) > 4 else 4 << 20
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={DEVICES}")
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -14,13 +14,13 @@ with synchronous per-device calls (docs/design.md).  Each step is checked
 against numpy on every rank's regenerated data.  Prints "SOAK SHARDED OK".
 """
 
-import os
 import sys
+
+from _common import fake_cpu_devices
 
 DEVICES, STEPS = int(sys.argv[1]), int(sys.argv[2])
 LARGEST = int(sys.argv[3]) if len(sys.argv) > 3 else 4 << 20
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={DEVICES}")
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

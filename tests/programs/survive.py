@@ -20,8 +20,10 @@ import signal
 import sys
 import time
 
+from _common import fake_cpu_devices
+
 DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,0 +1,66 @@
+"""What the multi-rank test programs share: their start, their checks and their end.
+
+The programs run as scripts (`mpiexec -n R python tests/programs/X.py ...`), so this
+directory is first on sys.path and they import this module as `_common`.
+
+* fake_cpu_devices(n), before jax is imported: the process gets n CPU devices.
+* Checker: check(name, got, expected) records a failure where got is not close to
+  expected, at the tolerance the program sets once.
+* report_and_exit(failures, what), last: rank 0 prints each rank's failures and a
+  verdict line (what the pytest side looks for); the job exits non-zero on any.
+
+Importing it imports neither jax nor mpi4py.MPI (a program may still choose MPI's
+thread level, as serialized.py does).
+"""
+
+import os
+import sys
+
+import numpy as np
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def fake_cpu_devices(count):
+    """XLA's CPU client makes `count` devices in this process: call it before jax is
+    imported.  The other XLA_FLAGS the process inherited are kept."""
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith(DEVICE_COUNT_FLAG + "=")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={count}"])
+    return count
+
+
+def _as_wide(value):
+    """float64 (complex128 for complex values): bool, integer and bfloat16 arrays compare."""
+    value = np.asarray(value)
+    return value.astype(np.complex128 if np.iscomplexobj(value) else np.float64)
+
+
+class Checker:
+    """check = Checker(failures, rtol=..., atol=...); check(name, got, expected) appends
+    "name: numpy's message" to failures where got is not close to expected (compared
+    in float64); check(name, got, expected, rtol) loosens one check."""
+
+    def __init__(self, failures, *, rtol, atol):
+        self.failures, self.rtol, self.atol = failures, rtol, atol
+
+    def __call__(self, name, got, expected, rtol=None):
+        try:
+            np.testing.assert_allclose(_as_wide(got), _as_wide(expected),
+                                       rtol=self.rtol if rtol is None else rtol, atol=self.atol)
+        except AssertionError as error:
+            self.failures.append(f"{name}: {str(error)[:600]}")
+
+
+def report_and_exit(failures, what):
+    """failures: this rank's list of messages; what: the job's shape, e.g. '(2 ranks x 2 devices)'."""
+    from mpi4py import MPI
+
+    all_failures = MPI.COMM_WORLD.allgather(failures)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        for rank, rank_failures in enumerate(all_failures):
+            for failure in rank_failures:
+                print(f"rank {rank}: FAIL {failure}", flush=True)
+        total = sum(map(len, all_failures))
+        print("ALL OK" if total == 0 else f"{total} FAILURES", what, flush=True)
+    sys.exit(1 if any(all_failures) else 0)
