@@ -19,7 +19,6 @@ and in first-run mode (alternating), which isolates what a new program pays.
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,10 @@ from jax import lax
 from mpi4py import MPI
 
 import mpicoll
+import timing
 
 WORLD = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(WORLD)
 
 
 def calls_per_run(nbytes):
@@ -40,13 +41,9 @@ MODES = ("off", "first-run", "every-call")
 
 
 def timed_run(program, x, check):
+    """(program(x), the slowest rank's seconds), the ranks started together in the mode."""
     mpicoll.set_check_mode(check)
-    WORLD.Barrier()  # both ranks switched, and start together
-    start = time.perf_counter()
-    x = program(x)
-    x.block_until_ready()
-    elapsed = time.perf_counter() - start
-    return x, WORLD.allreduce(elapsed, op=MPI.MAX)
+    return TIMER.time_call(lambda: program(x).block_until_ready())
 
 
 def measure(nbytes, runs):

@@ -42,8 +42,10 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import _compat
+import timing
 
 WORLD = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(WORLD)
 RESULTS = Path(__file__).resolve().parent / "results" / "dispatch.json"
 # Each row as a cell of the docs' table: (op, bytes per array, implementation).
 TABLE_CELLS = {
@@ -142,11 +144,7 @@ def main():
     names = list(rows)
     for i in range(args.runs):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            WORLD.Barrier()
-            start = time.perf_counter()
-            rows[name][0](args.calls)
-            elapsed = WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
-            times[name].append(elapsed / args.calls)
+            times[name].append(TIMER.measure(rows[name][0], args.calls) / args.calls)
     if WORLD.Get_rank() == 0:
         medians = {name: statistics.median(t) for name, t in times.items()}
         print(f"dispatch from a Python loop, {size} rank(s), median of {args.runs} runs x "

@@ -20,7 +20,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,8 +32,10 @@ def measure():
     from mpi4py import MPI
 
     import mpicoll
+    import timing
 
     comm = MPI.COMM_WORLD
+    timer = timing.mpi_timer(comm)
     small = jnp.ones(1, jnp.float32)
     large = jnp.ones(16 * 2**20, jnp.float32)  # 64 MiB
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, 100, lambda _, v: mpicoll.allreduce(v) / 2, x))
@@ -42,14 +43,9 @@ def measure():
     results = {}
     for name, fn, x, calls, repeats in (("4 B jitted loop", loop, small, 100, 21),
                                         ("64 MiB", once, large, 1, 7)):
-        out = fn(x)
-        out.block_until_ready()
-        times = []
-        for _ in range(repeats):
-            comm.Barrier()
-            start = time.perf_counter()
-            fn(x).block_until_ready()
-            times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX) / calls)
+        out = fn(x).block_until_ready()  # warm-up
+        times = [timer.time_call(lambda: fn(x).block_until_ready())[1] / calls
+                 for _ in range(repeats)]
         results[name] = statistics.median(times)
         assert np.isfinite(np.asarray(out)).all()
     if comm.Get_rank() == 0:

@@ -50,7 +50,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import numpy as np  # noqa: E402
 
 import jax_gloo  # noqa: E402  (benchmarks/, next to this script)
-from jax_gloo import timed_runs  # noqa: E402
+import timing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "global_allreduce.json"
 KIB, MIB = 1024, 1024 * 1024
@@ -131,9 +131,9 @@ def gloo_worker(args):
             want = expected(participants, count)
             ok = all(np.array_equal(np.asarray(s.data), want) for s in out.addressable_shards)
             del out
-            times = timed_runs(lambda: fn(x).block_until_ready(), repeats,
-                               synchronize=lambda: multihost_utils.sync_global_devices("t"),
-                               slowest=lambda t: t)
+            # Each worker's own times (the driver takes the slowest, jax_gloo.slowest_times).
+            timer = timing.Timer(lambda: multihost_utils.sync_global_devices("t"), lambda t: t)
+            times = timer.repeated(lambda: fn(x).block_until_ready(), repeats)
             results.append(dict(bytes=nbytes, inner=inner_now, times=times, ok=ok))
     multihost_utils.sync_global_devices("done")
     jax_gloo.emit(dict(local_devices=local, participants=participants, jax=jax.__version__,
@@ -205,9 +205,8 @@ def run_mpicoll_phase(args, comm):
                 got = np.asarray(out).reshape(local, count)
                 ok = bool(np.allclose(got, want, rtol=1e-6))
                 del out
-                times = timed_runs(lambda: fn(x).block_until_ready(), repeats,
-                                   synchronize=comm.Barrier,
-                                   slowest=lambda t: comm.allreduce(t, op=MPI.MAX))
+                times = timing.mpi_timer(comm).repeated(lambda: fn(x).block_until_ready(),
+                                                        repeats)
                 results[(nbytes, inner_now, name)] = dict(
                     times=times, ok=comm.allreduce(ok, op=MPI.LAND))
         del x

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 import jax_gloo  # benchmarks/, next to this script
+import timing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AXES = ("hosts", "local")
@@ -116,10 +117,10 @@ def reference(name, everyone, count, n):
     return np.broadcast_to(everyone.sum(0), everyone.shape) * 0.5
 
 
-def measure(jax, args, synchronize, slowest, gloo=False):
+def measure(jax, args, timer, gloo=False):
     """Every collective at both sizes, and the per-call rows, over the global mesh of
-    the JAX job this process is in (mpicoll's, or with gloo=True JAX's own):
-    {(name, label): [s per call]}."""
+    the JAX job this process is in (mpicoll's, or with gloo=True JAX's own), timed by
+    timer (timing.Timer): {(name, label): [s per call]}."""
     from jax import lax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -142,16 +143,6 @@ def measure(jax, args, synchronize, slowest, gloo=False):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
                                      check_vma=False))  # psum's loop carry
 
-    def timed(call, per_call):
-        call()  # compile and warm up
-        times = []
-        for _ in range(args.repeats):
-            synchronize()
-            start = time.perf_counter()
-            call()
-            times.append(slowest(time.perf_counter() - start) / per_call)
-        return times
-
     results = {}
     for label, nbytes in sizes(args).items():
         n = per_device(nbytes, processes, local)
@@ -170,7 +161,8 @@ def measure(jax, args, synchronize, slowest, gloo=False):
                                        rtol=1e-4, atol=1e-3 * count)
             loop = program(lambda v, body=bodies[name]: lax.fori_loop(
                 0, args.inner, lambda i, v: body(v), v))
-            results[name, label] = timed(lambda: jax.block_until_ready(loop(x)), args.inner)
+            results[name, label] = timer.repeated(lambda: jax.block_until_ready(loop(x)),
+                                                  args.repeats, args.inner)
     if gloo:  # 200 asynchronous dispatches over several devices deadlock XLA's in-process
         return results  # rendezvous on a small machine (2 cores): no per-call rows
     # Per call (issue 34's item 3): 200 dispatches of a jitted shard_map, 16 B per
@@ -190,14 +182,16 @@ def measure(jax, args, synchronize, slowest, gloo=False):
 
     for name, body in per_call.items():
         call = program(body)
-        results[name, PER_CALL_SIZE] = timed(lambda: dispatches(call), PER_CALL_DISPATCHES)
+        results[name, PER_CALL_SIZE] = timer.repeated(lambda: dispatches(call), args.repeats,
+                                                      PER_CALL_DISPATCHES)
     return results
 
 
 def gloo_worker(args):
     """In a child process of each rank: the same measurements on JAX's gloo."""
     jax = jax_gloo.initialize(args)
-    results = measure(jax, args, lambda: None, lambda t: t, gloo=True)
+    # No barrier; each worker's own times (the driver takes the slowest of them).
+    results = measure(jax, args, timing.Timer(lambda: None, lambda t: t), gloo=True)
     jax_gloo.emit(dict(times=[[name, label, times] for (name, label), times in results.items()]))
     jax_gloo.shutdown()
 
@@ -264,8 +258,8 @@ def main():
     import jax
     import mpicoll.distributed
     mpicoll.distributed.initialize(initialization_timeout=60)
-    times = {(name, label, "mpicoll"): t for (name, label), t in measure(
-        jax, args, comm.Barrier, lambda t: comm.allreduce(t, op=MPI.MAX)).items()}
+    times = {(name, label, "mpicoll"): t
+             for (name, label), t in measure(jax, args, timing.mpi_timer(comm)).items()}
     # 3. The C MPI floor, in this process.
     times.update({(name, label, "MPI floor"): t
                   for (name, label), t in floor_rows(args, comm, processes).items()})

@@ -20,7 +20,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 RESULT_TAG = "GLOO_RESULT "
 # What mpiexec put in a rank's environment: none of it may reach a worker, which
@@ -61,18 +60,6 @@ def emit(payload):
 def shutdown():
     import jax
     jax.distributed.shutdown()
-
-
-def timed_runs(call, repeats, synchronize, slowest):
-    """Warm-up, then `repeats` timed calls (call must block until done); slowest-rank times."""
-    call()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        call()
-        times.append(slowest(time.perf_counter() - start))
-    return times
 
 
 def slowest_times(entries):

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import jax_gloo  # benchmarks/, next to this script
+import timing
 
 RESULTS = Path(__file__).resolve().parent / "results" / "jax_vocabulary.json"
 SIZES = {"16 B": 4, "4 MiB": 1024 * 1024}  # float32 elements per device
@@ -94,10 +95,11 @@ def global_programs(jax, args):
     return out
 
 
-def interleaved(calls, repeats, synchronize, slowest):
+def interleaved(calls, repeats, timer):
     """{name: seconds per psum, per repeat}: every call once per repeat, in turn
     (the order rotating from repeat to repeat), so that the machine's drift over
-    the run and the effect of the call before fall on all of them alike."""
+    the run and the effect of the call before fall on all of them alike; timed by
+    timer (timing.Timer)."""
     times = {name: [] for name in calls}
     for fn, _ in calls.values():
         fn()  # warm-up
@@ -106,10 +108,7 @@ def interleaved(calls, repeats, synchronize, slowest):
         turn = repeat % len(names)
         for name in names[turn:] + names[:turn]:
             fn, per_call = calls[name]
-            synchronize()
-            start = time.perf_counter()
-            fn()
-            times[name].append(slowest(time.perf_counter() - start) / per_call)
+            times[name].append(timer.time_call(fn)[1] / per_call)
     return times
 
 
@@ -117,8 +116,9 @@ def gloo_worker(args):
     jax = jax_gloo.initialize(args)
     times = {}
     for label, (program, x, inner) in global_programs(jax, args).items():
+        # No barrier; each worker's own times (the driver takes the slowest of them).
         times[label] = interleaved({"psum": (lambda: program(x).block_until_ready(), inner)},
-                                   args.repeats, lambda: None, lambda t: t)["psum"]
+                                   args.repeats, timing.Timer(lambda: None, lambda t: t))["psum"]
     jax_gloo.emit(dict(times=times, jax=jax.__version__))
     jax_gloo.shutdown()
 
@@ -151,12 +151,7 @@ def main():
     from mpi_floor import load_floor
     mpicoll.distributed.initialize()
 
-    def synchronize():
-        comm.Barrier()
-
-    def slowest(t):
-        return comm.allreduce(t, op=MPI.MAX)
-
+    timer = timing.mpi_timer(comm)
     local_mesh = Mesh(np.array(jax.local_devices()), ("x",))
     floor, floor_note = load_floor(args.floor_lib, comm)
     rows = {}
@@ -180,7 +175,7 @@ def main():
         if floor is not None:
             a, b = np.ones(count, np.float32), np.empty(count, np.float32)
             calls["MPI floor"] = (lambda: floor.call("allreduce", a, b, count, inner), inner)
-        for name, times in interleaved(calls, args.repeats, synchronize, slowest).items():
+        for name, times in interleaved(calls, args.repeats, timer).items():
             rows.setdefault(name, {})[label] = times
         if label == "16 B":  # the scalar mean's all-reduce, whatever the size
             xla_psum = (partitioned, x, inner)
@@ -189,7 +184,7 @@ def main():
     partitioned, x, inner = xla_psum
     rows["jit, XLA's psum"] = {"16 B": interleaved(
         {"psum": (lambda: partitioned(x).block_until_ready(), inner)}, args.repeats,
-        synchronize, slowest)["psum"]}
+        timer)["psum"]}
     if rank != 0:
         return
     if reports is not None:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 def _local_devices(argv):
     """--local L, read before jax is imported (it fixes the fake device count)."""
@@ -53,8 +52,10 @@ import mpicoll  # noqa: E402
 from mpicoll.ops import ranks_devices  # noqa: E402
 from mpicoll.runtime import settings  # noqa: E402
 from mpicoll import topology  # noqa: E402
+import timing  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(WORLD)
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 8 * MIB]  # bytes per device (float32)
@@ -67,14 +68,7 @@ def inner_for(nbytes):
 
 def median_time(call, repeats=REPEATS):
     """Warm-up, then the median over repeats of the slowest rank's time of call()."""
-    call()
-    times = []
-    for _ in range(repeats):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        call()
-        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return float(np.median(times))
+    return float(np.median(TIMER.repeated(call, repeats)))
 
 
 def pingpong(peer, nbytes, iterations):

@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,10 @@ from mpi4py import MPI
 import mpicoll
 from mpicoll.runtime import settings
 from mpicoll.runtime.native import extension
+import timing
 
 WORLD = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(WORLD)
 MODES = ("off", "flight recorder", "timeline")
 
 
@@ -46,13 +47,9 @@ def set_mode(mode, trace_dir):
 
 
 def timed_run(program, x, mode, trace_dir):
+    """(program(x), the slowest rank's seconds), the ranks started together in the mode."""
     set_mode(mode, trace_dir)
-    WORLD.Barrier()
-    start = time.perf_counter()
-    x = program(x)
-    x.block_until_ready()
-    elapsed = time.perf_counter() - start
-    return x, WORLD.allreduce(elapsed, op=MPI.MAX)
+    return TIMER.time_call(lambda: program(x).block_until_ready())
 
 
 def measure(nbytes, runs, trace_dir):

@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--runs", type=int, default=21, help="timed runs per mode")
@@ -52,9 +51,12 @@ from jax import lax  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
+import timing  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+# Each rank's own time: the cases compare what a late rank and the others wait.
+RANK_TIMER = timing.Timer(WORLD.Barrier, lambda t: t)
 
 
 def say(text):
@@ -71,10 +73,7 @@ def chain(a, k):
 
 def timed(fn, *xs):
     """This rank's seconds for fn(*xs), started together after a barrier."""
-    WORLD.Barrier()
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*xs))
-    return time.perf_counter() - start
+    return RANK_TIMER.time_call(lambda: jax.block_until_ready(fn(*xs)))[1]
 
 
 def rotate(programs, inputs, runs, warmup=3):

@@ -23,7 +23,6 @@ row are printed beside each.
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
@@ -34,21 +33,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
+import timing  # noqa: E402
 
 COMM = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(COMM)
 
 
 def timed(fn, x, repeats, inner):
-    out = fn(x)
-    out.block_until_ready()
-    times = []
-    for _ in range(repeats):
-        COMM.Barrier()
-        start = time.perf_counter()
+    """(the median seconds per call over repeats of `inner` calls, the last output)."""
+    def calls():
         for _ in range(inner):
             out = fn(x)
-        out.block_until_ready()
-        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX) / inner)
+        return out.block_until_ready()
+
+    out = fn(x).block_until_ready()  # warm-up
+    times = []
+    for _ in range(repeats):
+        out, seconds = TIMER.time_call(calls)
+        times.append(seconds / inner)
     return statistics.median(times), out
 
 

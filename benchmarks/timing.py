@@ -4,6 +4,11 @@ An implementation is measured through three callables (benchmarks/registry.py):
 once() -> this rank's output of one call on fresh input; run(k) -> k calls, done
 (blocked on) when it returns; timed(repeats, timer) -> (k, times), or None to time
 run() from Python.
+
+Every benchmark times the same way, through a Timer (mpi_timer over a communicator):
+a barrier, the clock, the call (which blocks until its work is done:
+block_until_ready), the slowest rank's seconds.  time_call() times one call,
+repeated() a warm-up call and then several, measure() k calls of run(k).
 """
 
 import time
@@ -26,11 +31,28 @@ class Timer:
 
     `run(k)` performs k calls and returns when they are done.  All ranks agree on
     every measurement (MAX over ranks), so they take the same decisions.
+    barrier() starts the ranks together, slowest(seconds) -> the time that counts
+    (the MAX over ranks; `lambda t: t` keeps each rank's own); target_s is needed
+    by choose_k and times only.
     """
 
-    def __init__(self, barrier, slowest, target_s, one_call_bytes=ONE_CALL_BYTES):
+    def __init__(self, barrier, slowest, target_s=None, one_call_bytes=ONE_CALL_BYTES):
         self.barrier, self.slowest, self.target_s = barrier, slowest, target_s
         self.one_call_bytes = one_call_bytes
+
+    def time_call(self, call):
+        """(call()'s result, its seconds): started after the barrier; call() returns
+        when its work is done (block_until_ready inside it)."""
+        self.barrier()
+        start = time.perf_counter()
+        result = call()
+        return result, self.slowest(time.perf_counter() - start)
+
+    def repeated(self, call, repeats, per_call=1):
+        """A warm-up call, then `repeats` timed ones: seconds per call of each (call()
+        makes per_call calls)."""
+        call()
+        return [self.time_call(call)[1] / per_call for _ in range(repeats)]
 
     def measure(self, run, k):
         self.barrier()
@@ -69,7 +91,7 @@ class Timer:
         return k, [self.measure(run, k) for _ in range(repeats)]
 
 
-def mpi_timer(comm, target_s, one_call_bytes=ONE_CALL_BYTES):
+def mpi_timer(comm, target_s=None, one_call_bytes=ONE_CALL_BYTES):
     """A Timer over an mpi4py communicator: its barrier, and MAX over its ranks."""
     from mpi4py import MPI
     return Timer(comm.Barrier, lambda t: comm.allreduce(t, op=MPI.MAX), target_s,

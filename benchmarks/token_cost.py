@@ -32,7 +32,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -41,8 +40,10 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicoll.mpi4jax as mpi4jax
+import timing
 
 WORLD = MPI.COMM_WORLD
+TIMER = timing.mpi_timer(WORLD)
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 LEFT, RIGHT = (RANK - 1) % SIZE, (RANK + 1) % SIZE
 RESULTS = Path(__file__).resolve().parent / "results" / "token_cost.json"
@@ -73,13 +74,13 @@ def cases():
 
 def time_calls(call, calls):
     """Seconds per call of `calls` calls, the slowest rank's (the ranks start together)."""
+    def run(k):
+        for _ in range(k):
+            result = call()
+        jax.block_until_ready(result)
+
     jax.block_until_ready(call())  # warm-up: compiled, dispatched once
-    WORLD.Barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        result = call()
-    jax.block_until_ready(result)
-    return WORLD.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX)
+    return TIMER.measure(run, calls) / calls
 
 
 def check(rows):
