@@ -133,13 +133,13 @@ def test_every_public_function_has_a_contract():
 # docstrings of mpicoll's sources (Python and C++).  A module moved or renamed
 # leaves no stale name behind.
 
-_TOP_DIRS = ("mpicoll", "tests", "benchmarks", "examples", "launch", "docs", "tools")
-# Paths relative to mpicoll/ or mpicoll/csrc/, as the sources write them (ops/blocks.py)
-_INNER_DIRS = ("_compat", "csrc", "observe", "ops", "over_ranks", "primitive", "runtime",
-               "core", "entries", "meeting", "memory")
-_PATH = re.compile(r"(?<![\w/.~$-])((?:\.\./)*(?:%s)/[\w./-]*[\w/])"
-                   % "|".join(_TOP_DIRS + _INNER_DIRS))
+# A relative path: words joined by slashes, not inside a URL or an absolute path.
+_PATH = re.compile(r"(?<![\w/.~$-])((?:\.\./)*[A-Za-z_][\w.-]*(?:/[\w.-]+)+/?)")
+# Checked where it names a file (by its extension), ends with a slash or starts at the
+# top of the repository; other slashed words ("on/off", "jax/tests/multiprocess") are not.
 _FILE = re.compile(r"\.(py|h|cc|c|def|md|sh|sbatch|json|txt|toml|cfg|pth|svg|png)$")
+_TOP_DIRS = ("mpicoll", "tests", "benchmarks", "examples", "launch", "docs", "tools")
+_PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DIR/merged.json
 _DOTTED = re.compile(r"(?<![\w/.-])mpicoll(?:\.[A-Za-z_]\w*)+")
 # The rest of a word after a match: a pattern or placeholder (rank*.json,
 # results/<name>.json, mpicoll.{name}) names no one thing, and is not checked.
@@ -215,15 +215,18 @@ def _path_exists(where, path):
 
 
 def test_the_paths_the_prose_names_exist():
-    """Each repository path in README.md, docs/*.md and mpicoll's comments and
-    docstrings (mpicoll/..., tests/..., ops/blocks.py, csrc/ops.def, ../examples/demo.py)
-    is a file or directory of the repository, or under an output directory it ignores."""
+    """Each path in README.md, docs/*.md and mpicoll's comments and docstrings
+    (mpicoll/..., tests/..., ops/blocks.py, engine/call.h, ../examples/demo.py; relative
+    to the repository, to mpicoll/ or mpicoll/csrc/, or to the file's own folders) is a
+    file or directory of the repository, or under an output directory it ignores."""
     where = {}
     for place, match in _references(_PATH):
-        path = match.group(1)
-        if not (_FILE.search(path) or path.endswith("/")
-                or path.lstrip("./").split("/")[0] in _TOP_DIRS):
-            continue  # words like "on/off" or "ops/second" are no paths
+        path = match.group(1).rstrip(".")  # a sentence's full stop
+        parts = path.strip("/").split("/")
+        if not (_FILE.search(path) or path.endswith("/") or parts[0] in _TOP_DIRS):
+            continue
+        if any(_PLACEHOLDER.match(part) for part in parts):
+            continue
         if not _path_exists(REPO / place.split(":")[0], path.rstrip("/")):
             where.setdefault(path, []).append(place)
     assert not where, "paths that do not exist:\n" + "\n".join(
