@@ -53,14 +53,14 @@ PyObject* SetSideChannel(PyObject*, PyObject* arg) {
 // without blocking on a rank that never imports mpicoll (rank_state.h).
 PyObject* OpenSideChannel(PyObject*, PyObject*) {
   NoteWorld();
-  BeginOpeningSideChannel();
+  side_channel_opening.Begin();
   StartWatchdog();
   // Completed here when every rank imports within 10 s (the usual case): Open
   // MPI 4.1 can deadlock a blocking MPI_Comm_dup (the user's, or a first use's)
   // against a nonblocking one still pending.  A rank that has not imported by
   // then leaves it to the watchdog.
   Py_BEGIN_ALLOW_THREADS
-  FinishOpeningSideChannel(/*seconds=*/10.0);
+  side_channel_opening.Finish(/*seconds=*/10.0);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

@@ -284,34 +284,44 @@ inline void ServeStateRequests() {
 // Ranks that have ended (their end notices): their last calls, for the
 // watchdog to hold the others' waits against.  A rank that ended is never
 // asked again.
-inline std::mutex ended_mutex;
-inline std::vector<RankState> ended_ranks;  // by world rank; head.ending == kAlive: not ended
-inline std::atomic<int64_t> ended_changed_ns{0};
-
-inline void TakeEndNotices() {
-  ReceiveEach(kEndNoticeTag, [](int source, const std::vector<char>& bytes) {
-    RankState s = Unpack(bytes);
-    if (s.head.ending == kAlive) return;
-    std::lock_guard<std::mutex> lock(ended_mutex);
-    if (ended_ranks.size() < static_cast<size_t>(world_size.load())) {
-      ended_ranks.resize(world_size.load());
-    }
-    if (source >= 0 && source < static_cast<int>(ended_ranks.size())) {
-      ended_ranks[source] = std::move(s);
-      ended_changed_ns.store(NowNs());
-    }
-  });
-}
-
-inline bool HasEnded(int rank, RankState* state = nullptr) {
-  std::lock_guard<std::mutex> lock(ended_mutex);
-  if (rank < 0 || rank >= static_cast<int>(ended_ranks.size()) ||
-      ended_ranks[rank].head.ending == kAlive) {
-    return false;
+class EndedRanks {
+ public:
+  // Takes every end notice that has come.
+  void TakeNotices() {
+    ReceiveEach(kEndNoticeTag, [this](int source, const std::vector<char>& bytes) {
+      RankState s = Unpack(bytes);
+      if (s.head.ending == kAlive) return;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (by_rank_.size() < static_cast<size_t>(world_size.load())) {
+        by_rank_.resize(world_size.load());
+      }
+      if (source >= 0 && source < static_cast<int>(by_rank_.size())) {
+        by_rank_[source] = std::move(s);
+        changed_ns_.store(NowNs());
+      }
+    });
   }
-  if (state) *state = ended_ranks[rank];
-  return true;
-}
+
+  // Whether `rank` has ended; its last state into *state if so.
+  bool Has(int rank, RankState* state = nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (rank < 0 || rank >= static_cast<int>(by_rank_.size()) ||
+        by_rank_[rank].head.ending == kAlive) {
+      return false;
+    }
+    if (state) *state = by_rank_[rank];
+    return true;
+  }
+
+  int64_t ChangedNs() const { return changed_ns_.load(); }  // when a rank last ended
+
+ private:
+  std::mutex mutex_;
+  std::vector<RankState> by_rank_;  // by world rank; head.ending == kAlive: not ended
+  std::atomic<int64_t> changed_ns_{0};
+};
+
+inline EndedRanks ended_ranks;
 
 // Every rank's state, this one's included: ended ranks from their notices,
 // the others asked (for the communicators in `asked`); a rank that does not
@@ -325,7 +335,7 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
   std::vector<RankState> states(size);
   states[me] = OwnState(asked, /*all_comms=*/false, -1, StackFor(purpose));
   if (!SideChannelUp() || size == 1) return states;
-  TakeEndNotices();
+  ended_ranks.TakeNotices();
   MPI_Comm comm = side_channel.load();
   // The sends' buffer, kept for the process: a request to a rank that does not
   // answer stays posted (a few bytes per unanswered probe).
@@ -337,7 +347,7 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
   std::vector<MPI_Request> sends;
   int waiting_for = 0;
   for (int r = 0; r < size; ++r) {
-    if (r == me || HasEnded(r, &states[r])) continue;
+    if (r == me || ended_ranks.Has(r, &states[r])) continue;
     sends.emplace_back();
     MPI_Isend(request.data(), static_cast<int>(request.size() * sizeof(uint64_t)), MPI_BYTE, r,
               kStateRequestTag, comm, &sends.back());

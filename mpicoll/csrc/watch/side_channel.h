@@ -111,53 +111,65 @@ inline ProcessId ThisProcess() {
 
 // The nonblocking opening (MULTIPLE mode): MPI_Comm_idup at import, then an
 // MPI_Iallgather of every rank's ProcessId, both completed by the watchdog's
-// polls (OpenSideChannelStep).
-inline MPI_Comm opening_channel = MPI_COMM_NULL;
-inline MPI_Request opening_request = MPI_REQUEST_NULL;
-inline std::atomic<int> opening_stage{0};  // 0 none, 1 dup, 2 gather, 3 open
-inline ProcessId opening_mine;
-inline std::vector<ProcessId> opening_all;
+// polls (Step), or by a rank that ends right after its import (Finish).
+class SideChannelOpening {
+ public:
+  enum Stage { kNone = 0, kDuplicating = 1, kGathering = 2, kOpen = 3 };
 
-inline void BeginOpeningSideChannel() {
-  if (opening_stage.load() != 0 || serialize_mpi_calls.load()) return;
-  if (MPI_Comm_idup(MPI_COMM_WORLD, &opening_channel, &opening_request) == MPI_SUCCESS) {
-    opening_stage.store(1);
+  void Begin() {
+    if (stage_.load() != kNone || serialize_mpi_calls.load()) return;
+    if (MPI_Comm_idup(MPI_COMM_WORLD, &channel_, &request_) == MPI_SUCCESS) {
+      stage_.store(kDuplicating);
+    }
   }
-}
 
-inline std::mutex opening_mutex;  // the watchdog's polls, or a rank that ends (AnnounceEnd)
-
-inline void OpenSideChannelStep() {
-  std::lock_guard<std::mutex> lock(opening_mutex);
-  const int stage = opening_stage.load();
-  if (stage != 1 && stage != 2) return;
-  int done = 0;
-  if (MPI_Test(&opening_request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) return;
-  if (stage == 1) {
-    MPI_Comm_set_name(opening_channel, "mpicoll:watchdog");
-    MPI_Comm_set_errhandler(opening_channel, MPI_ERRORS_RETURN);
-    opening_mine = ThisProcess();
-    opening_all.assign(world_size.load(), ProcessId());
-    MPI_Iallgather(&opening_mine, sizeof(ProcessId), MPI_BYTE, opening_all.data(),
-                   sizeof(ProcessId), MPI_BYTE, opening_channel, &opening_request);
-    opening_stage.store(2);
-    return;
+  // One poll: moves to the next stage when the pending request has completed.
+  void Step() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int stage = stage_.load();
+    if (stage != kDuplicating && stage != kGathering) return;
+    int done = 0;
+    if (MPI_Test(&request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) return;
+    if (stage == kDuplicating) {
+      MPI_Comm_set_name(channel_, "mpicoll:watchdog");
+      MPI_Comm_set_errhandler(channel_, MPI_ERRORS_RETURN);
+      mine_ = ThisProcess();
+      all_.assign(world_size.load(), ProcessId());
+      MPI_Iallgather(&mine_, sizeof(ProcessId), MPI_BYTE, all_.data(), sizeof(ProcessId),
+                     MPI_BYTE, channel_, &request_);
+      stage_.store(kGathering);
+      return;
+    }
+    SetWorldProcesses(all_);
+    side_channel.store(channel_);
+    stage_.store(kOpen);
   }
-  SetWorldProcesses(opening_all);
-  side_channel.store(opening_channel);
-  opening_stage.store(3);
-}
 
-// Completes the opening within `seconds` (a rank that ends right after its
-// import: the others wait for it on the channel).
-inline void FinishOpeningSideChannel(double seconds) {
-  const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
-  while (opening_stage.load() != 0 && opening_stage.load() != 3 && NowNs() < deadline) {
-    OpenSideChannelStep();
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  // Completes the opening within `seconds` (a rank that ends right after its
+  // import: the others wait for it on the channel).
+  void Finish(double seconds) {
+    const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
+    while (Underway() && NowNs() < deadline) {
+      Step();
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
   }
-}
 
+  bool Underway() const {
+    const int stage = stage_.load();
+    return stage == kDuplicating || stage == kGathering;
+  }
+
+ private:
+  std::mutex mutex_;  // the watchdog's polls, or a rank that ends (AnnounceEnd)
+  std::atomic<int> stage_{kNone};
+  MPI_Comm channel_ = MPI_COMM_NULL;
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  ProcessId mine_;
+  std::vector<ProcessId> all_;
+};
+
+inline SideChannelOpening side_channel_opening;
 
 // Receives every pending message with `tag` on the side channel and hands it
 // to handle(source, bytes); nothing where the channel is down.

@@ -56,24 +56,33 @@ inline std::vector<char> IntBytes(int value) {
 // other rank's watchdog says in one line which rank that was, and a rank that
 // raised at the same moment (the same error on every rank, typically) prints
 // one line instead of a second copy of the traceback.
-inline std::atomic<int> lowest_aborting{1 << 30};  // the lowest rank that announced an abort
-inline std::atomic<int> printing_rank{-1};            // a rank that prints the traceback
-inline std::atomic<bool> this_rank_aborting{false};
+struct AbortAgreement {
+  static constexpr int kNobody = 1 << 30;
+  std::atomic<int> lowest{kNobody};  // the lowest rank that announced an abort
+  std::atomic<int> printing{-1};     // a rank that said it prints the traceback
+  std::atomic<bool> this_rank{false};  // this rank is ending the job
+
+  // Notes that `rank` aborts; whether it is the first abort this rank hears of.
+  bool Note(int rank) {
+    int seen = lowest.load();
+    const bool first = seen == kNobody;
+    while (rank < seen && !lowest.compare_exchange_weak(seen, rank)) {
+    }
+    return first;
+  }
+};
+inline AbortAgreement aborts;
 
 inline void TakeAbortNotices() {
   // Each notice is taken for what it says alone: MPI orders a sender's messages
   // only within a tag, so a traceback notice may come before that rank's abort notice.
   ReceiveEach(kTracebackNoticeTag, [](int, const std::vector<char>& bytes) {
     int none = -1;
-    printing_rank.compare_exchange_strong(none, IntOf(bytes));
+    aborts.printing.compare_exchange_strong(none, IntOf(bytes));
   });
   ReceiveEach(kAbortNoticeTag, [](int, const std::vector<char>& bytes) {
     const int who = IntOf(bytes);
-    int seen = lowest_aborting.load();
-    const bool first = seen == (1 << 30);
-    while (who < seen && !lowest_aborting.compare_exchange_weak(seen, who)) {
-    }
-    if (first && !this_rank_aborting.load()) {
+    if (aborts.Note(who) && !aborts.this_rank.load()) {
       std::fprintf(stderr, "mpicoll: rank %d: the job is being aborted by rank %d (its error is "
                    "printed there)\n", WorldRank(), who);
       std::fflush(stderr);
@@ -101,10 +110,8 @@ inline void TakeAbortNotices() {
 // prints it however far apart the ranks raise.
 inline int AnnounceAbort(int settle_ms) {
   const int me = WorldRank();
-  this_rank_aborting.store(true);
-  int seen = lowest_aborting.load();
-  while (me < seen && !lowest_aborting.compare_exchange_weak(seen, me)) {
-  }
+  aborts.this_rank.store(true);
+  aborts.Note(me);
   if (!SideChannelUp()) {
     DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
     WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
@@ -115,9 +122,9 @@ inline int AnnounceAbort(int settle_ms) {
   WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
   std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
   TakeAbortNotices();
-  const int printing = printing_rank.load();
+  const int printing = aborts.printing.load();
   if (printing >= 0) return printing;
-  const int lowest = std::min(me, lowest_aborting.load());
+  const int lowest = std::min(me, aborts.lowest.load());
   if (lowest == me) SendToEveryRank(IntBytes(me), kTracebackNoticeTag, /*wait_ms=*/0);
   return lowest;
 }
@@ -128,7 +135,7 @@ inline void GatherRecords(double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
   std::vector<int> running;
   for (int r = 0; r < world_size.load(); ++r) {
-    if (r != WorldRank() && !HasEnded(r)) running.push_back(r);
+    if (r != WorldRank() && !ended_ranks.Has(r)) running.push_back(r);
   }
   SendToRanks(IntBytes(WorldRank()), kDumpNoticeTag, running, /*wait_ms=*/0);
   CollectRecords(running, seconds);
@@ -213,20 +220,20 @@ inline void Watchdog() {
   int64_t episode = 0;       // started_ns of the wait being reported on
   double next_report = 0;    // s into that wait
   double next_probe = 0;     // s into that wait
-  int64_t probed_ends = 0;   // ended_changed_ns at the last probe
+  int64_t probed_ends = 0;   // ended_ranks.ChangedNs() at the last probe
   std::string last_verdict;  // a deadlock's key, to see it hold twice
   for (;;) {
     const double limit = timeout_seconds.load(), stall = stall_report_seconds.load();
     // Fast while the side channel opens: Open MPI's nonblocking duplicate
     // moves only when tested, a round per test (0.7 s at 50 ms ticks).
-    const bool opening = opening_stage.load() == 1 || opening_stage.load() == 2;
+    const bool opening = side_channel_opening.Underway();
     std::this_thread::sleep_for(std::chrono::milliseconds(
         opening ? 1 : (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 50));
     if (watchdog_stop.load()) return;
-    OpenSideChannelStep();
+    side_channel_opening.Step();
     ServeStateRequests();
     TakeAbortNotices();
-    TakeEndNotices();
+    ended_ranks.TakeNotices();
     if (flight_dump_asked.exchange(false)) {
       DumpFlight(WorldRank(), world_size.load(), "SIGUSR1");
       WriteTrace(WorldRank(), world_size.load(), "SIGUSR1");
@@ -246,7 +253,7 @@ inline void Watchdog() {
     const int me = WorldRank();
     // A wait that can never end: asked after kProbeAfter, then with back-off,
     // and at once when a rank has ended meanwhile.
-    const int64_t ends = ended_changed_ns.load();
+    const int64_t ends = ended_ranks.ChangedNs();
     if (SideChannelUp() && world_size.load() > 1 &&
         (waited >= next_probe || (ends != probed_ends && waited >= 0.1))) {
       probed_ends = ends;
@@ -314,7 +321,7 @@ inline void Watchdog() {
 inline void AnnounceEnd(int ending, int code, const std::string& where) {
   // A rank that ends right after its import waits for the channel (the others
   // are on their way to it), but not forever: a rank that never imports mpicoll.
-  FinishOpeningSideChannel(/*seconds=*/5.0);
+  side_channel_opening.Finish(/*seconds=*/5.0);
   if (!SideChannelUp() || world_size.load() == 1) return;
   RankState mine = OwnState({}, /*all_comms=*/true);
   mine.head.ending = ending;
