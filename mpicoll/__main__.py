@@ -97,17 +97,17 @@ def _settings_report():
     import tempfile
 
     import mpicoll
-    from mpicoll.runtime import settings as _settings
+    from mpicoll.runtime import settings
     from mpicoll.observe import failures, tracing
 
-    settings, sources = _settings.current(), _settings.sources()
+    current, sources = settings.current(), settings.sources()
     tracing_to, started_by = tracing.tracing_to()
     # Those with a setter report their value now (a script may have changed it).
     now = {"check": mpicoll.check_mode(), "autodiff": mpicoll.autodiff_mode(),
            "dispatch": mpicoll.dispatch_mode()}
     rows = []
-    for field in dataclasses.fields(settings):
-        value = getattr(settings, field.name)
+    for field in dataclasses.fields(current):
+        value = getattr(current, field.name)
         where = sources[field.name]
         if field.name == "dispatch" and value == "default":
             value, where = now["dispatch"], "default (device-order where JAX allows it)"
@@ -166,14 +166,14 @@ def _multi_device_dispatch():
 
 def _settings_lines(reports):
     """The settings of rank 0, and a problem for each setting the ranks disagree on."""
-    from .runtime import settings as _settings
+    from .runtime import settings
 
     lines = ["settings:      (MPICOLL_* variables, read at import; docs/settings.md)"]
     width = max(len(name) for name, _, _ in reports[0]["settings"])
     for name, value, where in reports[0]["settings"]:
         lines.append(f"  {name:<{width}}  {value!s:<12} {where}")
     # Set on rank 0 but read by nothing (the import warned): a misspelling, most likely.
-    for name, closest in _settings.unknown_variables():
+    for name, closest in settings.unknown_variables():
         guess = f"; did you mean {closest}?" if closest else ""
         lines.append(f"  {name} is set but mpicoll reads no such variable{guess}")
     problems = []
@@ -249,16 +249,16 @@ def _gpu_report():
     """This rank's GPU view: the build's platforms, the CUDA driver, the transport."""
     import jax
 
-    from .runtime import native as _native
+    from .runtime import native
 
     try:
         gpus = [str(d) for d in jax.devices("cuda")]
     except RuntimeError:
         gpus = []
-    driver = _native.extension.cuda_driver() if "cuda" in _native.PLATFORMS else None
-    return {"platforms": _native.PLATFORMS, "gpus": gpus, "cuda_driver": driver,
-            "gpu_transport": _native.GPU_TRANSPORT, "gpu_reason": _native.GPU_TRANSPORT_REASON,
-            "gpu_chunk": _native.GPU_CHUNK_BYTES}
+    driver = native.extension.cuda_driver() if "cuda" in native.PLATFORMS else None
+    return {"platforms": native.PLATFORMS, "gpus": gpus, "cuda_driver": driver,
+            "gpu_transport": native.GPU_TRANSPORT, "gpu_reason": native.GPU_TRANSPORT_REASON,
+            "gpu_chunk": native.GPU_CHUNK_BYTES}
 
 
 def _gpu_lines(reports):
@@ -413,13 +413,13 @@ def _one_directory(argv, command):
 
 def flight(argv):
     """`flight DIR`: where the ranks' flight records diverge (exit 1 unless they agree)."""
-    from .observe import records as _records
+    from .observe import records
 
     directory = _one_directory(argv, "flight")
     if directory is None:
         return 2
     try:
-        text, diverged = _records.flight_report(_records.load(directory))
+        text, diverged = records.flight_report(records.load(directory))
     except ValueError as error:
         print(f"python -m mpicoll flight: {error}", file=sys.stderr)
         return 2
@@ -429,14 +429,14 @@ def flight(argv):
 
 def trace(argv):
     """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
-    from .observe import timeline as _timeline
+    from .observe import timeline
 
     every = "--all" in argv
     directory = _one_directory([a for a in argv if a != "--all"], "trace")
     if directory is None:
         return 2
     try:
-        print(_timeline.write_merged(directory, warm_up=not every))
+        print(timeline.write_merged(directory, warm_up=not every))
     except ValueError as error:
         print(f"python -m mpicoll trace: {error}", file=sys.stderr)
         return 2
@@ -445,14 +445,14 @@ def trace(argv):
 
 def stacks(argv):
     """`stacks [PID]`: where every rank of a live job is, asked through one rank on this host."""
-    from .observe import stacks as _stacks
+    from .observe.stacks import ask, choose_process, mpicoll_processes
 
     if len(argv) > 1 or (argv and not argv[0].isdigit()):
         print(f"python -m mpicoll stacks: give at most one process id\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        pid = int(argv[0]) if argv else _stacks.choose_process(_stacks.mpicoll_processes())
-        print(_stacks.ask(pid), end="")
+        pid = int(argv[0]) if argv else choose_process(mpicoll_processes())
+        print(ask(pid), end="")
     except (LookupError, TimeoutError, ProcessLookupError, PermissionError) as error:
         print(f"python -m mpicoll stacks: {error}", file=sys.stderr)
         return 1

@@ -250,7 +250,7 @@ def _resolves(dotted):
 
 
 # Names in files another change is rewriting; remove one once its file says it right.
-_NAMES_PENDING = {"mpicoll._mpicoll_ffi"}  # csrc/module.cc:1 (the module is _mpicoll_ffi_<mpi>)
+_NAMES_PENDING = set()
 
 
 def test_the_modules_the_prose_names_exist():
@@ -265,10 +265,9 @@ def test_the_modules_the_prose_names_exist():
 
 def test_the_pages_name_no_machine_paths():
     """README.md and docs/*.md show paths relative to the repository, not one
-    machine's checkout.  (docs/failures.md is left out for now: another change is
-    replacing the checkout's paths in its example output; add it back then.)"""
+    machine's checkout."""
     found = [f"{page.name}:{page.read_text().count(chr(10), 0, match.start()) + 1}"
-             for page in [REPO / "README.md", *PAGES] if page.name != "failures.md"
+             for page in [REPO / "README.md", *PAGES]
              for match in _MACHINE_PATH.finditer(page.read_text())]
     assert not found, f"machine paths in the pages: {found}"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpiexec, serial_only
-from mpicoll.observe import records as _records
+from mpicoll.observe import records
 
 PROGRAM = Path(__file__).parent / "programs" / "stall.py"
 pytestmark = serial_only
@@ -214,7 +214,7 @@ def test_a_trace_started_and_stopped_in_code_holds_its_calls_alone(tmp_path):
         assert f"rank {rank}: traced to {tmp_path}/block\n" in result.output, result.summary()
         assert f"rank {rank}: traced to {tmp_path}/skipped/rank{rank}.json" in result.output
     for name, ops in (("block", ["allreduce", "allgather"] * 5), ("skipped", ["allreduce"] * 2)):
-        files = _records.load(tmp_path / name)
+        files = records.load(tmp_path / name)
         assert [f.rank for f in files] == [0, 1, 2]
         for f in files:
             assert [r.op for r in f.records] == ops, (name, f.rank, f.records)

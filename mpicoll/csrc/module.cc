@@ -1,4 +1,5 @@
-// The CPython module `mpicoll._mpicoll_ffi`: the FFI targets' registrations,
+// The CPython module `mpicoll._mpicoll_ffi_<mpi>` (one per MPI family, setup.py):
+// the FFI targets' registrations,
 // set-up (initialize, register_comm), settings (check mode, serialized MPI,
 // GPU transport), and the tables as Python data (reduction_ops(),
 // collectives(), op_codes()); module_watch.cc has the functions for watching

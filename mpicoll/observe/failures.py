@@ -35,12 +35,12 @@ import traceback
 from mpi4py import MPI
 
 from .. import _compat
-from . import tracing as _tracing
-from ..runtime import native as _native, settings as _settings
+from . import tracing
+from ..runtime import native, settings
 from ..runtime.native import extension
 
 
-CHECK_MODES = _settings.CHECK_MODES  # the handler's codes 0, 1, 2
+CHECK_MODES = settings.CHECK_MODES  # the handler's codes 0, 1, 2
 _check_mode = "first-run"
 
 
@@ -193,7 +193,7 @@ def abort_on_error(exc_type, exc, tb, *, thread=None):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"mpicoll: uncaught exception on rank {rank} of "
                          f"{world.Get_size()}{where}; aborting the job\n{text}")
-        if _settings.current().flight_records:
+        if settings.current().flight_records:
             sys.stderr.flush()
             extension.gather_records(_GATHER_RECORDS_SECONDS)  # every rank's, beside this one's
             folder = extension.flight_dir()
@@ -284,29 +284,29 @@ def _running(pid):
     return True
 
 
-def configure(settings):
+def configure(current):
     """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
     # For reports' Python stacks (watch/python_stacks.h): frames in this package are left out.
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     extension.watch_python_threads(threading.main_thread().ident, package)
     world_size = MPI.COMM_WORLD.Get_size()
-    abort = settings.abort_on_error if settings.abort_on_error is not None else world_size > 1
+    abort = current.abort_on_error if current.abort_on_error is not None else world_size > 1
     if abort:
         install_abort_on_error()
-    set_check_mode(settings.check)
-    set_timeout(settings.timeout)
-    set_stall_report(settings.stall_report)
-    extension.set_flight(settings.flight_records, settings.flight_dir, tempfile.gettempdir())
-    if not settings.flight_dir:
+    set_check_mode(current.check)
+    set_timeout(current.timeout)
+    set_stall_report(current.stall_report)
+    extension.set_flight(current.flight_records, current.flight_dir, tempfile.gettempdir())
+    if not current.flight_dir:
         prune_flight_folders(tempfile.gettempdir())
-    _tracing.start_at_import(settings)
+    tracing.start_at_import(current)
     # Registered after mpi4py's MPI_Finalize handler, so they run before it
     # (atexit runs the last registered first: the end notice, the timeline,
     # then the watchdog's stop).
     atexit.register(extension.stop_watchdog)
-    atexit.register(_tracing.stop_at_exit)
-    if world_size > 1 and not _native.SERIALIZED:
+    atexit.register(tracing.stop_at_exit)
+    if world_size > 1 and not native.SERIALIZED:
         global _announcing
         extension.open_side_channel()
         _announcing = True

@@ -9,7 +9,7 @@ import jax
 # chose another (MPI4PY_RC_THREAD_LEVEL, or mpi4py.rc.thread_level before this).
 from mpi4py import MPI
 
-from . import settings as _settings
+from . import settings
 
 # What a user runs to (re)build the extension against the MPI they run with.
 _REBUILD = ("`make install` (with `MPICC=/path/to/mpicc` for a given MPI), or "
@@ -155,8 +155,8 @@ for _platform in PLATFORMS:
 # Chosen once, here: device pointers straight to MPI when the MPI library says it
 # is CUDA-aware (or MPICOLL_GPU_TRANSPORT=cuda-aware forces it), else pinned host
 # staging.  MPICOLL_GPU_CHUNK_BYTES sets the staging pipeline's chunk (0 = none).
-GPU_TRANSPORTS = _settings.GPU_TRANSPORTS
-DEFAULT_GPU_CHUNK_BYTES = _settings.DEFAULT_GPU_CHUNK_BYTES
+GPU_TRANSPORTS = settings.GPU_TRANSPORTS
+DEFAULT_GPU_CHUNK_BYTES = settings.DEFAULT_GPU_CHUNK_BYTES
 
 
 def cuda_aware_mpi():
@@ -164,9 +164,9 @@ def cuda_aware_mpi():
     return extension.cuda_aware_mpi()
 
 
-def _choose_gpu_transport(settings):
-    """(transport, reason, chunk bytes) from the settings and the MPI library."""
-    asked, chunk = settings.gpu_transport, settings.gpu_chunk_bytes
+def _choose_gpu_transport(current):
+    """(transport, reason, chunk bytes) from the settings in force and the MPI library."""
+    asked, chunk = current.gpu_transport, current.gpu_chunk_bytes
     if asked != "auto":
         return asked, f"MPICOLL_GPU_TRANSPORT={asked}", chunk
     aware = cuda_aware_mpi()
@@ -177,13 +177,13 @@ def _choose_gpu_transport(settings):
     return "staged", f"{why}: pinned host staging", chunk
 
 
-GPU_TRANSPORT, GPU_TRANSPORT_REASON, GPU_CHUNK_BYTES = _choose_gpu_transport(_settings.current())
+GPU_TRANSPORT, GPU_TRANSPORT_REASON, GPU_CHUNK_BYTES = _choose_gpu_transport(settings.current())
 if "cuda" in PLATFORMS:
     extension.set_gpu_transport(GPU_TRANSPORT == "cuda-aware", GPU_CHUNK_BYTES)
 
 
 # The local meeting's allgather pipeline (csrc/meeting/meeting.cc): 0 = automatic.
-extension.set_gather_pieces(_settings.current().gather_pieces)
+extension.set_gather_pieces(settings.current().gather_pieces)
 
 
 @atexit.register

@@ -397,7 +397,7 @@ inline ffi::Error CheckSameCall(const Call& c, int32_t device, const CheckPlan& 
 }
 
 // ---------------------------------------------------------------------------
-// Serialized MPI (one local device per process; _native.SERIALIZED): at
+// Serialized MPI (one local device per process; native.SERIALIZED): at
 // MPI_THREAD_SERIALIZED, MPI allows calls from several threads (XLA's,
 // Python's) but never two at once, and skips the locking MPI_THREAD_MULTIPLE
 // costs every call.  mpicoll's own MPI calls take this one lock while the
