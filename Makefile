@@ -235,7 +235,7 @@ $(MPICC_CHOICE): FORCE | $(STAMP_VENV)
 # --- mpicoll ---------------------------------------------------------------------
 # Editable, without build isolation: the extension must see this venv's jaxlib (FFI
 # headers) and be compiled by this venv's MPI wrapper.  The import afterwards checks
-# that it loads and matches the MPI mpi4py uses (mpicoll/runtime/native.py).
+# that it loads and matches the MPI mpi4py uses (mpicoll/_src/runtime/native.py).
 $(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.toml \
                   $(wildcard mpicoll/csrc/* mpicoll/csrc/*/*) $(EXT_SO_DEP)
 	$(VENV_PATH) MPICC='$(USE_MPICC)' $(PIP) install -q --no-build-isolation --no-deps -e .

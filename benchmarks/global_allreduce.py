@@ -200,7 +200,7 @@ def run_mpicoll_phase(args, comm):
                                                            (local, count)))
                 fn = jax.jit(jax.shard_map(looped(step, inner_now, summed), mesh=mesh,
                                            in_specs=P("d"), out_specs=P("d"), check_vma=False))
-                with mpicoll.runtime.settings.override(local_combine_bytes=combine_bytes):
+                with mpicoll._src.runtime.settings.override(local_combine_bytes=combine_bytes):
                     out = fn(x).block_until_ready()  # traces with the setting above
                 got = np.asarray(out).reshape(local, count)
                 ok = bool(np.allclose(got, want, rtol=1e-6))
@@ -212,8 +212,8 @@ def run_mpicoll_phase(args, comm):
         del x
     info = dict(ranks=size, local_devices=local, participants=participants,
                 jax=jax.__version__, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                split_allreduce_bytes=mpicoll.runtime.settings.current().split_allreduce_bytes,
-                local_combine_bytes=(mpicoll.runtime.settings.current().local_combine_bytes
+                split_allreduce_bytes=mpicoll._src.runtime.settings.current().split_allreduce_bytes,
+                local_combine_bytes=(mpicoll._src.runtime.settings.current().local_combine_bytes
                                      if args.combine_bytes is None else args.combine_bytes))
     return results, info
 

@@ -114,7 +114,7 @@ def setup_with_chunk(chunk_bytes):
     """mpicoll-loop with the staging pipeline's chunk set to chunk_bytes (0: no pipeline)."""
     def setup(ctx, op, count):
         once, run, _ = registry.setup_jit(ctx, "mpicoll", op, count)
-        from mpicoll.runtime import native
+        from mpicoll._src.runtime import native
 
         def with_chunk(fn):
             def wrapped(*args):
@@ -152,7 +152,7 @@ def main():
     from mpi4py import MPI
 
     import mpicoll
-    from mpicoll.runtime import native
+    from mpicoll._src.runtime import native
 
     comm = MPI.COMM_WORLD
     ctx = registry.Context()

@@ -26,8 +26,8 @@ from jax import lax
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll.runtime import settings
-from mpicoll.runtime.native import extension
+from mpicoll._src.runtime import settings
+from mpicoll._src.runtime.native import extension
 import timing
 
 WORLD = MPI.COMM_WORLD

@@ -16,25 +16,27 @@ import sys as _sys
 _OFFLINE = _sys.argv[:1] == ["-m"] and _sys.argv[1:2] in (["stacks"], ["flight"], ["trace"])
 
 if not _OFFLINE:
-    from .runtime.settings import current as _current_settings  # reads MPICOLL_*
-    from .ops.collectives import (
+    from ._src.runtime.settings import current as _current_settings  # reads MPICOLL_*
+    from ._src.ops.collectives import (
         allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
         scan, scatter)
-    from .primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff
-    from .primitive.device_order import dispatch_mode, set_dispatch
-    from .ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
-    from .ops.vector import allgatherv, alltoallv, gatherv, scatterv
-    from .runtime.comm import default_comm
+    from ._src.primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff
+    from ._src.primitive.device_order import dispatch_mode, set_dispatch
+    from ._src.ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
+    from ._src.ops.vector import allgatherv, alltoallv, gatherv, scatterv
+    from ._src.runtime.comm import default_comm
     from . import topology
-    from .primitive.overlap import overlap
-    from .observe.failures import check_mode, clear_error, set_check_mode, set_timeout
-    from .observe.tracing import start_trace, stop_trace, trace
-    from .runtime.native import thread_mode
-    from .survive import RankLost, State, fault_tolerant, lost_ranks, shrink
-    from .over_ranks import lax  # importing it routes jax.lax collectives over RANKS
+    from ._src.primitive.overlap import overlap
+    from ._src.observe.failures import (
+        check_mode, clear_error, set_check_mode, set_stall_report, set_timeout)
+    from ._src.runtime.settings import override as override_settings
+    from ._src.observe.tracing import start_trace, stop_trace, trace
+    from ._src.runtime.native import thread_mode
+    from ._src.survive import RankLost, State, fault_tolerant, lost_ranks, shrink
+    from ._src.over_ranks import lax  # importing it routes jax.lax collectives over RANKS
     del lax  # reached as over_ranks.lax, not as a public name of mpicoll
     # The subpackages, already mpicoll's attributes by the imports above.
-    from . import _compat, observe, primitive
+    from ._src import _compat, observe, primitive
 
     # The settings the modules above do not apply themselves: abort on error, the
     # check mode and the timeout (autodiff and dispatch start from the settings in
@@ -56,6 +58,6 @@ if not _OFFLINE:
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
            "clear_error", "default_comm", "dispatch_mode", "exscan", "fault_tolerant", "gather", "gatherv", "lost_ranks", "mesh",
-           "overlap", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
-           "set_autodiff", "set_check_mode", "shrink", "set_dispatch", "set_timeout", "start_trace",
+           "overlap", "override_settings", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
+           "set_autodiff", "set_check_mode", "shrink", "set_dispatch", "set_stall_report", "set_timeout", "start_trace",
            "stop_trace", "thread_mode", "trace"]

@@ -97,8 +97,8 @@ def _settings_report():
     import tempfile
 
     import mpicoll
-    from mpicoll.runtime import settings
-    from mpicoll.observe import failures, tracing
+    from mpicoll._src.runtime import settings
+    from mpicoll._src.observe import failures, tracing
 
     current, sources = settings.current(), settings.sources()
     tracing_to, started_by = tracing.tracing_to()
@@ -152,7 +152,7 @@ def _as_mpi4jax(on):
 
 def _multi_device_dispatch():
     """How device order dispatches programs over several CPU devices here (docs/design.md)."""
-    from mpicoll.primitive import device_order
+    from mpicoll._src.primitive import device_order
 
     devices = device_order.cpu_device_count()
     if devices < 2:
@@ -166,7 +166,7 @@ def _multi_device_dispatch():
 
 def _settings_lines(reports):
     """The settings of rank 0, and a problem for each setting the ranks disagree on."""
-    from .runtime import settings
+    from ._src.runtime import settings
 
     lines = ["settings:      (MPICOLL_* variables, read at import; docs/settings.md)"]
     width = max(len(name) for name, _, _ in reports[0]["settings"])
@@ -192,7 +192,7 @@ def _mpi_build_report():
     """This rank's view of the MPI builds: mpicoll's extension, mpi4py's library."""
     from mpi4py import MPI
 
-    from .runtime.native import extension
+    from ._src.runtime.native import extension
 
     built = extension.build_info()
     vendor, version = MPI.get_vendor()
@@ -207,7 +207,7 @@ def _mpi_build_report():
 
 def _survival():
     """'yes (why)' or 'no (why not)': whether this job survives a lost rank (survive.py)."""
-    from .survive import can_survive
+    from ._src.survive import can_survive
 
     ok, why = can_survive()
     return f"{'yes' if ok else 'no'} ({why})"
@@ -249,7 +249,7 @@ def _gpu_report():
     """This rank's GPU view: the build's platforms, the CUDA driver, the transport."""
     import jax
 
-    from .runtime import native
+    from ._src.runtime import native
 
     try:
         gpus = [str(d) for d in jax.devices("cuda")]
@@ -339,7 +339,7 @@ def _format(reports):
     build_problems += gpu_problems
     settings_lines, settings_problems = _settings_lines(reports)
     build_problems += settings_problems
-    from .runtime.native import extension
+    from ._src.runtime.native import extension
     replaced = extension.replaced_sums()
     if replaced:
         lines.append(f"workaround:    this MPI's MPI_SUM saturates for {', '.join(replaced)} "
@@ -413,7 +413,7 @@ def _one_directory(argv, command):
 
 def flight(argv):
     """`flight DIR`: where the ranks' flight records diverge (exit 1 unless they agree)."""
-    from .observe import records
+    from ._src.observe import records
 
     directory = _one_directory(argv, "flight")
     if directory is None:
@@ -429,7 +429,7 @@ def flight(argv):
 
 def trace(argv):
     """`trace DIR`: merge the ranks' timelines; the picture and the straggler."""
-    from .observe import timeline
+    from ._src.observe import timeline
 
     every = "--all" in argv
     directory = _one_directory([a for a in argv if a != "--all"], "trace")
@@ -445,7 +445,7 @@ def trace(argv):
 
 def stacks(argv):
     """`stacks [PID]`: where every rank of a live job is, asked through one rank on this host."""
-    from .observe.stacks import ask, choose_process, mpicoll_processes
+    from ._src.observe.stacks import ask, choose_process, mpicoll_processes
 
     if len(argv) > 1 or (argv and not argv[0].isdigit()):
         print(f"python -m mpicoll stacks: give at most one process id\n{USAGE}", file=sys.stderr)
@@ -466,7 +466,7 @@ def run(argv):
     """Run a script or module (`-m name`) as __main__ with abort-on-error installed."""
     import runpy
 
-    from .observe import failures
+    from ._src.observe import failures
 
     failures.install_abort_on_error()
     if argv[0] == "-m":

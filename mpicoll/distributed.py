@@ -30,7 +30,7 @@ import jax
 from mpi4py import MPI
 
 from . import _compat, topology
-from .primitive import device_order
+from ._src.primitive import device_order
 
 _initialized = False
 
@@ -126,7 +126,7 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                process_id=world.Get_rank(), local_device_ids=local_device_ids,
                                **jax_arguments)
     _initialized = True
-    from .over_ranks import (
+    from ._src.over_ranks import (
         multihost)  # noqa: PLC0415 -- imports mpicoll's collectives
     multihost.install()  # multihost_utils on MPI, not JAX's gloo
     # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
@@ -161,6 +161,6 @@ def _shutdown():
     # in a collective for this one would wait there too (and this rank in the
     # barrier) until MPICOLL_TIMEOUT.  Told first that this script has finished,
     # it ends the job at once with the report naming both.
-    from .observe import failures
+    from ._src.observe import failures
     failures.announce_finished()
     jax.distributed.shutdown()

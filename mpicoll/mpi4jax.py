@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 from mpi4py import MPI
 
-from ._compat import core as _compat_core
-from .runtime import native, comm as comm_layer
-from .primitive import spec, varying, validate
-from .ops import collectives, p2p
+from ._src._compat import core as _compat_core
+from ._src.runtime import native, comm as comm_layer
+from ._src.primitive import spec, varying, validate
+from ._src.ops import collectives, p2p
 
 __version__ = "0.9.1"  # the mpi4jax API this module follows
 

@@ -2,7 +2,7 @@
 
 mpicoll's extension is compiled against one MPI's headers (its handles are not
 portable between implementations), while mpi4py chooses its MPI library at run
-time.  mpicoll/runtime/native.py compares the two on import.  The mismatch test makes
+time.  mpicoll/_src/runtime/native.py compares the two on import.  The mismatch test makes
 mpi4py load the *other* implementation's libmpi (MPI4PY_LIBMPI) in a
 subprocess; that library comes from another of the project's venvs (`make
 test-all` builds MPICH and Open MPI ones) or from $MPICOLL_TEST_OTHER_LIBMPI,
@@ -21,7 +21,7 @@ import sysconfig
 import pytest
 from mpi4py import MPI
 
-from mpicoll.runtime.native import extension
+from mpicoll._src.runtime.native import extension
 from conftest import serial_only
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_import_fails_clearly_when_mpi4py_loads_another_mpi(tmp_path):
 # The extension's tables (csrc/reduce_ops.def, csrc/ops.def) as Python reads them.
 
 def test_reduction_ops_table():
-    """The one list of reduction ops (mpicoll/runtime/dtypes.py takes it as it is): MPI's predefined
+    """The one list of reduction ops (mpicoll/_src/runtime/dtypes.py takes it as it is): MPI's predefined
     ops, each on the dtype families MPI defines it for."""
     arithmetic, ordered, logical = ("integer", "floating", "complex"), \
         ("bool", "integer", "floating"), ("bool", "integer")
@@ -156,7 +156,7 @@ def test_cuda_entry_points_compile(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# A load failure names its cause (mpicoll.runtime.native.load_error_message).
+# A load failure names its cause (mpicoll._src.runtime.native.load_error_message).
 
 @pytest.mark.parametrize("text, says", [
     ("/x/_mpicoll_ffi.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3MPI8Datatype4FreeEv",
@@ -177,7 +177,7 @@ def test_cuda_entry_points_compile(monkeypatch):
      ["missing or cannot load", "_ZNSt7__cxx11"]),  # not MPI's: no MPI diagnosis
 ])
 def test_load_error_message_names_the_cause(text, says):
-    from mpicoll.runtime.native import load_error_message
+    from mpicoll._src.runtime.native import load_error_message
 
     message = load_error_message(text)
     for part in says:

@@ -175,7 +175,7 @@ def test_intercomm_is_refused():
 
 def test_freeing_communicators_releases_their_slots():
     """Register and free more communicators than the table holds (COMM_SELF dups: local)."""
-    from mpicoll.runtime.native import extension
+    from mpicoll._src.runtime.native import extension
     capacity = extension.build_info()["max_comms"]
     for i in range(capacity + 10):
         comm = MPI.COMM_SELF.Dup()

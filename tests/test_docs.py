@@ -208,7 +208,8 @@ def _output_dirs():
 def _path_exists(where, path):
     if path.startswith("../"):
         return (where.parent / path).exists()
-    roots = [REPO, REPO / "mpicoll", REPO / "mpicoll" / "csrc"]
+    # Internals are named from the package's private folder (runtime/comm.py).
+    roots = [REPO, REPO / "mpicoll", REPO / "mpicoll" / "_src", REPO / "mpicoll" / "csrc"]
     roots += [parent for parent in where.parents if parent == REPO or REPO in parent.parents]
     return (any((root / path).exists() for root in roots)
             or any(path == out or path.startswith(out + "/") for out in _output_dirs()))
@@ -217,7 +218,8 @@ def _path_exists(where, path):
 def test_the_paths_the_prose_names_exist():
     """Each path in README.md, docs/*.md and mpicoll's comments and docstrings
     (mpicoll/..., tests/..., ops/blocks.py, engine/call.h, ../examples/demo.py; relative
-    to the repository, to mpicoll/ or mpicoll/csrc/, or to the file's own folders) is a
+    to the repository, to mpicoll/, mpicoll/_src/ or mpicoll/csrc/, or to the file's own
+    folders) is a
     file or directory of the repository, or under an output directory it ignores."""
     where = {}
     for place, match in _references(_PATH):

@@ -342,7 +342,7 @@ def test_bad_global_call(name, case, mode):
 def test_global_reduction_checks_its_op_once(name, op, monkeypatch):
     """Over ranks x devices the op is checked before the devices combine, then handed
     on as checked (runtime/dtypes.CheckedOp): the MPI part does not check it again."""
-    from mpicoll.runtime import dtypes
+    from mpicoll._src.runtime import dtypes
     looked_up = []
     op_name = dtypes.op_name
     monkeypatch.setattr(dtypes, "op_name", lambda *a: looked_up.append(a[0]) or op_name(*a))

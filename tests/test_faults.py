@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import RANK, WORLD, assert_in_step, run_mpiexec, serial_only
-from mpicoll.primitive import spec
-from mpicoll.runtime import comm as comm_layer
+from mpicoll._src.primitive import spec
+from mpicoll._src.runtime import comm as comm_layer
 
 PROGRAMS = Path(__file__).parent / "programs"
 PROGRAM = PROGRAMS / "faults.py"

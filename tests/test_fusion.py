@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.primitive import dispatch
+from mpicoll._src.primitive import dispatch
 from conftest import (COLLECTIVES, RANK, REDUCING, SIZE, STACKED_INPUT, assert_same, call,
                       expected, input_shape, rank_data)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.runtime import native
+from mpicoll._src.runtime import native
 from conftest import (COLLECTIVES, RANK, REPRESENTATIVE_DTYPES, ROOTED, SIZE, all_ranks_data,
                       assert_same, call, expected, input_shape, maybe_jit, reduce_reference)
 

@@ -168,7 +168,7 @@ def test_info_serial():
     assert "ranks:         1 on 1 node(s)" in result.stdout
     assert "jax " in result.stdout and "cpu" in result.stdout
     # The MPI builds: mpicoll's extension, mpi4py's library, CUDA-awareness.
-    from mpicoll.runtime.native import extension
+    from mpicoll._src.runtime.native import extension
     built = extension.build_info()
     vendor, version = MPI.get_vendor()
     assert (f"built with:    {built['mpi_vendor']} "
@@ -193,7 +193,7 @@ def test_info_shows_every_setting_and_where_it_came_from():
     assert "MPICOLL_TIMOUT is not a variable mpicoll reads" in result.stderr
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in lines[:-1]}
     import dataclasses
-    from mpicoll.runtime import settings
+    from mpicoll._src.runtime import settings
     assert set(rows) == {f.name for f in dataclasses.fields(settings.Settings)}
     assert rows["check"] == ["every-call", "MPICOLL_CHECK=1"]
     assert rows["split_allreduce_bytes"] == ["4096", "MPICOLL_SPLIT_ALLREDUCE_BYTES=4KiB"]
@@ -204,7 +204,7 @@ def test_info_shows_every_setting_and_where_it_came_from():
 
 def test_cuda_aware_mpi_is_known_for_mpich_4_and_open_mpi():
     """MPICH >= 4 (MPIX_GPU_query_support) and Open MPI (mpi-ext.h) can say; a bool, then."""
-    from mpicoll.runtime.native import extension
+    from mpicoll._src.runtime.native import extension
     answer = extension.cuda_aware_mpi()
     vendor, version = MPI.get_vendor()
     if vendor == "Open MPI" or (vendor == "MPICH" and version >= (4, 0)):

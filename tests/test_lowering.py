@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.runtime import native
-from mpicoll.primitive import define
+from mpicoll._src.runtime import native
+from mpicoll._src.primitive import define
 from conftest import COLLECTIVES, SIZE, call, input_shape
 
 

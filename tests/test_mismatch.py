@@ -97,7 +97,7 @@ CACHED_AND_NEW = {
 @pytest.mark.parametrize("case", CACHED_AND_NEW)
 def test_a_cached_program_and_a_new_one_raise_the_same_type(case):
     """Every rank raises jax.errors.JaxRuntimeError, also a rank whose eager program
-    ran from JAX's cache (mpicoll/primitive/dispatch.py, run_eagerly)."""
+    ran from JAX's cache (mpicoll/_src/primitive/dispatch.py, run_eagerly)."""
     mode, jitted, shape = CACHED_AND_NEW[case]
     if jitted:
         run = jax.jit(lambda x, second: jax.lax.cond(
@@ -148,7 +148,7 @@ def test_a_call_is_compared_when_it_is_new_on_its_communicator():
     """First-run checks are keyed by the call's description, not its program: every
     rank decides alike whether to compare (a rank with a new program around a call
     the ranks agreed on does not compare it while the others skip it)."""
-    comparisons = mpicoll.runtime.native.extension.comparisons_made
+    comparisons = mpicoll._src.runtime.native.extension.comparisons_made
     x = jnp.full((2, 7, 13), RANK + 1.0)  # a shape no other test uses: a new call
     step = jax.jit(lambda x: mpicoll.allreduce(mpicoll.allreduce(x) * 2))
     before = comparisons()

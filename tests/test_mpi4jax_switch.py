@@ -19,7 +19,7 @@ import pytest
 
 import _mpicoll_as_mpi4jax as switch
 from conftest import MPIEXEC, REPO, run_mpiexec, serial_only
-from mpicoll.runtime import settings
+from mpicoll._src.runtime import settings
 
 PROGRAM = REPO / "tests" / "programs" / "mpi4jax_tokens.py"
 MPIRUN = REPO / "launch" / "mpirun.sh"

@@ -326,7 +326,7 @@ def test_explicit_comm_world_in_program_order_with_user_calls():
 def test_many_programs_in_a_python_loop_keep_their_order():
     """Programs dispatched back to back, each taking the last one's runtime token
     (mpicoll passes a token already on the device straight through, _compat.dispatch_hooks)."""
-    assert mpicoll.primitive.device_order.RUNTIME_TOKEN_FAST_PATH, "JAX's runtime token set changed"
+    assert mpicoll._src.primitive.device_order.RUNTIME_TOKEN_FAST_PATH, "JAX's runtime token set changed"
     add = jax.jit(lambda x: mpicoll.allreduce(x) + 1)
     gather = jax.jit(lambda x: mpicoll.allgather(x)[:, 0])
     x = jnp.full(3, float(RANK))

@@ -1,4 +1,4 @@
-"""Reading the flight recorder's dumps and the timeline (mpicoll/observe/records.py) on
+"""Reading the flight recorder's dumps and the timeline (mpicoll/_src/observe/records.py) on
 records made up here (one rank<r>.json per rank, as csrc/watch/flight.h writes them),
 where the answer is known; and XLA's own profiler naming mpicoll's calls.  The jobs that
 write real records are in test_watchdog.py."""
@@ -15,7 +15,7 @@ import pytest
 
 import mpicoll
 from conftest import _LAUNCHER_PREFIXES
-from mpicoll.observe import records, timeline
+from mpicoll._src.observe import records, timeline
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
 # What Open MPI's mpirun gives its ranks (OMPI_MCA_ess=^singleton among them): a process
@@ -391,7 +391,7 @@ def test_old_flight_folders_are_pruned_by_age_and_count(tmp_path):
     import socket
     import time
 
-    from mpicoll.observe import failures
+    from mpicoll._src.observe import failures
 
     now = time.time()
     host = socket.gethostname()

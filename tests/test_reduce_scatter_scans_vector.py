@@ -121,7 +121,7 @@ def test_prefix_and_reduce_scatter_on_a_split_communicator():
 @pytest.fixture
 def pairwise_reduce_scatter():
     """Sets mpicoll's own reduce-scatter's (min block bytes, segment bytes) for one test."""
-    sizes = mpicoll.runtime.native.extension.pairwise_reduce_scatter
+    sizes = mpicoll._src.runtime.native.extension.pairwise_reduce_scatter
     default = sizes()
     yield sizes
     sizes(*default)

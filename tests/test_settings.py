@@ -9,10 +9,10 @@ import sys
 import pytest
 
 import mpicoll
-from mpicoll.ops import ranks_devices
-from mpicoll.runtime import settings, dtypes
-from mpicoll.primitive import spec
-from mpicoll.runtime.native import extension
+from mpicoll._src.ops import ranks_devices
+from mpicoll._src.runtime import settings, dtypes
+from mpicoll._src.primitive import spec
+from mpicoll._src.runtime.native import extension
 from conftest import serial_only
 
 
@@ -209,7 +209,7 @@ def _bare_environment(**variables):
 
 
 def test_an_unknown_variable_warns_once_at_import_pointing_at_it():
-    program = "import mpicoll\nimport mpicoll.runtime.settings\nimport mpicoll\n"
+    program = "import mpicoll\nimport mpicoll._src.runtime.settings\nimport mpicoll\n"
     env = _bare_environment(MPICOLL_TIMOUT="10")
     run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                          text=True, timeout=120)
@@ -286,7 +286,7 @@ def test_the_dtype_table_is_the_extensions_and_every_docstring_lists_it():
 
 
 def test_a_spec_the_extension_does_not_know_is_refused():
-    from mpicoll.primitive.define import define
+    from mpicoll._src.primitive.define import define
     unknown = spec.Collective("allmean", out_shape=lambda shape, params: shape,
                               transpose=lambda ct, params: ct, reduces=True)
     with pytest.raises(AssertionError, match="no collective 'allmean'"):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicoll.runtime.native import extension
+from mpicoll._src.runtime.native import extension
 from conftest import RANK, SIZE
 
 OPS = extension.op_codes()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpiexec, serial_only
-from mpicoll.observe import records
+from mpicoll._src.observe import records
 
 PROGRAM = Path(__file__).parent / "programs" / "stall.py"
 pytestmark = serial_only
@@ -350,7 +350,7 @@ def test_the_rank_printing_a_traceback_gathers_the_records_of_the_others(tmp_pat
 
 
 def test_a_process_reads_its_own_python_stack_as_a_report_prints_it():
-    from mpicoll.runtime.native import extension
+    from mpicoll._src.runtime.native import extension
 
     text = extension.python_stacks()  # read as the watchdog reads it: without the GIL
     lines = text.splitlines()
@@ -370,4 +370,4 @@ def test_the_stacks_command_runs_without_mpi_and_signals_only_mpicoll_ranks():
     assert "python -m mpicoll stacks: process 1 is not running mpicoll on this host" in done.stderr
     imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "mpicoll.observe.stacks" in imported and not imported & {"jax", "mpi4py"}, imported
+    assert "mpicoll._src.observe.stacks" in imported and not imported & {"jax", "mpi4py"}, imported

@@ -152,6 +152,6 @@ if failures:
     sys.exit(1)
 # Which kind of program carried its token in the module (device order): the
 # multi-device ones where XLA's pool has two threads per device (PJRT_NPROC=4).
-chain = mpicoll.primitive.device_order._policy.in_module_multi_device()
+chain = mpicoll._src.primitive.device_order._policy.in_module_multi_device()
 print(f"ALL OK ({SIZE} ranks, {mode}{', multi-device in module' if chain else ''}"
       f"{', single-device first' if SINGLE_FIRST else ''})")

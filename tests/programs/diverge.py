@@ -145,7 +145,7 @@ elif CASE in ("check-shape", "late-check", "slow-check"):
         if CASE == "late-check" and RANK == 0 and not ODD:
             time.sleep(1.5)
         if CASE == "slow-check" and RANK == 0:
-            from mpicoll.runtime.native import extension
+            from mpicoll._src.runtime.native import extension
             extension._pause_after_mismatch(1.5)
         returned(step(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
     except Exception as error:  # every rank: the same type

@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll.ops import ranks_devices  # noqa: E402
-from mpicoll.runtime import settings  # noqa: E402
-from mpicoll.ops import local_meeting  # noqa: E402
+from mpicoll._src.ops import ranks_devices  # noqa: E402
+from mpicoll._src.runtime import settings  # noqa: E402
+from mpicoll._src.ops import local_meeting  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 COMM = MPI.COMM_WORLD
@@ -46,7 +46,7 @@ check = Checker(failures, rtol=1e-6, atol=1e-6)
 if SCENARIO == "stray":
     mpicoll.allreduce(np.ones(1))  # the communicator is set up (collectively) first
     stray = jax.jit(lambda v: local_meeting.meet(
-        v, "allreduce", mpicoll.runtime.comm.resolve(None, "test"), 2, axis_name="i"))
+        v, "allreduce", mpicoll._src.runtime.comm.resolve(None, "test"), 2, axis_name="i"))
     stray(np.ones(3)).block_until_ready()
     print("stray call returned", flush=True)
     sys.exit(1)

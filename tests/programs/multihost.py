@@ -44,8 +44,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
-from mpicoll.ops import ranks_devices  # noqa: E402
-from mpicoll.runtime import settings  # noqa: E402
+from mpicoll._src.ops import ranks_devices  # noqa: E402
+from mpicoll._src.runtime import settings  # noqa: E402
 from mpicoll import topology  # noqa: E402
 
 WORLD = MPI.COMM_WORLD

@@ -4,7 +4,7 @@ through mpicoll, with JAX's results and errors.
     mpiexec -n RANKS python tests/programs/multihost_utils.py LOCAL_DEVICES
 
 Every call is made twice on the same inputs: as multihost_utils now has it
-(mpicoll's, mpicoll/over_ranks/multihost.py) and as JAX's own (gloo), whose result or
+(mpicoll's, mpicoll/_src/over_ranks/multihost.py) and as JAX's own (gloo), whose result or
 exception type and message is the reference; numpy says what the data is.
 Prints "ALL OK (R ranks x L devices, multihost_utils)".
 """
@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mpicoll.distributed  # noqa: E402
-from mpicoll.over_ranks import multihost  # noqa: E402
+from mpicoll._src.over_ranks import multihost  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 failures = []

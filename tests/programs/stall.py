@@ -114,7 +114,7 @@ elif CASE in ("busy", "stacks"):
         launcher = ("PMI_", "PMIX_", "OMPI_", "HYDRA", "MPIR_", "SLURM_", "PRTE_")
         env = {k: v for k, v in os.environ.items()  # a process of its own, outside the job
                if not k.startswith(launcher) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
-        from mpicoll.observe import stacks
+        from mpicoll._src.observe import stacks
         found = dict(stacks.mpicoll_processes())
         print(f"found rank 0's process as rank {found.get(pids[0])}", flush=True)
         done = subprocess.run([sys.executable, "-m", "mpicoll", "stacks", str(pids[0])], env=env,

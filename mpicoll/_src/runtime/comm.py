@@ -23,6 +23,7 @@ import time
 import jax
 from mpi4py import MPI
 
+from .. import PACKAGE_DIR
 from .. import _compat
 from . import native, settings
 from .native import extension
@@ -201,12 +202,9 @@ def _device_counts(counts, ranks):
 def _first_call(caller):
     """What a communicator's first use is for the watchdog: the collective and the
     user's line that calls it."""
-    where = _compat.current_user_source_line(_PACKAGE)
+    where = _compat.current_user_source_line(PACKAGE_DIR)  # mpicoll's own frames are skipped
     return f"{caller} (called at {where})" if where else caller
 
-
-# mpicoll's own frames: everything under the package's folder (this file's parent's)
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _world_ranks(comm):

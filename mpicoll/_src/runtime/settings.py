@@ -42,6 +42,8 @@ import re
 import sys
 import warnings
 
+from .. import PACKAGE_DIR
+
 DEFAULT_GPU_CHUNK_BYTES = 4 << 20
 # A job stuck in a collective ends after 10 minutes (PyTorch's default too),
 # with the stall report, first written after a minute, as the reason.
@@ -262,9 +264,8 @@ def from_environment(environ=os.environ):
 def _warn_at_import(message):
     """A warning that points at the program's `import mpicoll` line (not at mpicoll's
     own or importlib's frames)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
+    while frame is not None and (frame.f_code.co_filename.startswith(PACKAGE_DIR)
                                  or "importlib" in frame.f_code.co_filename
                                  or frame.f_code.co_filename.startswith("<frozen")):
         frame = frame.f_back
@@ -294,11 +295,14 @@ def sources():
 
 @contextlib.contextmanager
 def override(**changes):
-    """Within: the settings with `changes` (None leaves a field as it is).
+    """A context manager: within it, the settings with `changes` (public as
+    `mpicoll.override_settings`; a field given None is left as it is).
 
-    Read when a call is traced, so programs traced inside keep what they saw;
-    e.g. override(local_combine_bytes=0) forces the ranks x devices allreduce off
-    its in-handler combine (0 or float("inf") force a path either way).
+    Settings are read when a call is traced, so programs traced inside keep
+    what they saw, e.g. `with mpicoll.override_settings(local_combine_bytes=0):`
+    around a jitted function's first call forces the ranks x devices
+    allreduce off its in-handler combine (0 or float("inf") force a path
+    either way).  Every rank must use the same.
     """
     global _current, _sources
     changes = {field: value for field, value in changes.items() if value is not None}

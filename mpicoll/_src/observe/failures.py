@@ -34,6 +34,7 @@ import traceback
 
 from mpi4py import MPI
 
+from .. import PACKAGE_DIR
 from .. import _compat
 from . import tracing
 from ..runtime import native, settings
@@ -166,7 +167,7 @@ def set_stall_report(seconds):
 
     Example::
 
-        mpicoll.observe.failures.set_stall_report(5)    # report sooner while debugging
+        mpicoll.set_stall_report(5)         # report sooner while debugging
     """
     seconds = float(seconds or 0)
     if seconds < 0:
@@ -287,9 +288,8 @@ def _running(pid):
 def configure(current):
     """Apply the settings read at import (runtime/settings.py): abort on error, check mode, timeout,
     stall report."""
-    # For reports' Python stacks (watch/python_stacks.h): frames in this package are left out.
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    extension.watch_python_threads(threading.main_thread().ident, package)
+    # For reports' Python stacks (watch/python_stacks.h): mpicoll's own frames are left out.
+    extension.watch_python_threads(threading.main_thread().ident, PACKAGE_DIR)
     world_size = MPI.COMM_WORLD.Get_size()
     abort = current.abort_on_error if current.abort_on_error is not None else world_size > 1
     if abort:

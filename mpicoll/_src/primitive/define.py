@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 
+from .. import PACKAGE_DIR
 from .. import _compat
 from ..runtime import native, dtypes
 from . import sharded, varying
@@ -74,7 +75,7 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
                                 operand_output_aliases=aliases)
     if numbered:
         attributes["site"] = next(_call_sites)
-        where = _compat.user_source_line(ctx, _PACKAGE)
+        where = _compat.user_source_line(ctx, PACKAGE_DIR)  # mpicoll's own frames are skipped
         if where:
             native.extension.describe_site(attributes["site"], where,
                                            not lowering_eagerly[0])
@@ -85,9 +86,6 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
         _compat.set_token_out(ctx, mpi_effect, token)
     return outs
 
-
-# mpicoll's own frames: everything under the package's folder (this file's parent's)
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,7 +55,7 @@ def _import_extension():
     """The extension built against the MPI that mpi4py loaded: its name carries the MPI
     family (setup.py's mpi_family), so venvs of one checkout built against different
     MPIs (make install MPI=openmpi beside the default) each import their own."""
-    package = __package__.rsplit(".", 1)[0]
+    package = __package__.split(".")[0]  # the extension sits in mpicoll/
     family = "openmpi" if MPI.Get_library_version().startswith("Open MPI") else "mpich"
     # Another family's build, or an older unnamed one, if that is all there is:
     # _check_same_mpi then says which MPI it was built against.
