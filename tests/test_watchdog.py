@@ -272,7 +272,7 @@ def _stack_of(lines, rank):
     start = next(i for i, line in enumerate(lines) if line.startswith(f"rank {rank} ("))
     stack = []
     for line in lines[start + 1:]:
-        if line.startswith("rank ") or line.startswith("flight records") or line.startswith("("):
+        if line.startswith(("rank ", "flight records", "(next report")):
             break
         stack.append(line)
     return stack
@@ -327,8 +327,10 @@ def test_python_m_mpicoll_stacks_shows_every_rank_of_a_live_job():
     assert re.fullmatch(r"rank 0 \(.*\): in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, "
                         r"sequence 2, called at .*stall\.py:\d+ \(<lambda>\) for [\d.]+ s",
                         lines[1]), answer
-    assert re.fullmatch(r"tests/programs/stall\.py:\d+ in <module>: "
-                        r"summed\(jnp\.ones\(4\)\)\.block_until_ready\(\)", _stack_of(lines, 0)[1])
+    # Its innermost frames may be JAX's own (a newer JAX's block_until_ready is Python).
+    assert any(re.fullmatch(r"tests/programs/stall\.py:\d+ in <module>: "
+                            r"summed\(jnp\.ones\(4\)\)\.block_until_ready\(\)", line)
+               for line in _stack_of(lines, 0)), answer
     assert re.fullmatch(r"rank 1 \(.*\): not in an mpicoll collective for [\d.]+ s",
                         lines[lines.index(_stack_of(lines, 0)[-1]) + 1]), answer
     assert re.fullmatch(r"tests/programs/stall\.py:\d+ in load_batch: time\.sleep\(seconds\)",

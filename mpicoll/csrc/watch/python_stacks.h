@@ -112,35 +112,53 @@ inline std::string ShortPath(const std::string& file) {
   return file;
 }
 
-inline bool InsideJax(const PythonThread& thread) {
+inline bool InsideMpicoll(const PythonFrame& f) {
+  return !mpicoll_package_dir.empty() &&
+         f.file.compare(0, mpicoll_package_dir.size(), mpicoll_package_dir) == 0;
+}
+
+inline bool InsideJax(const PythonFrame& f) {
+  return f.file.find("/jax/") != std::string::npos || f.file.find("/jaxlib/") != std::string::npos;
+}
+
+inline std::string FrameLine(const PythonFrame& f) {
+  std::string text = "      " + ShortPath(f.file) + ":" + f.line + " in " + f.function;
+  const std::string source = SourceLine(f.file, f.line);
+  return text + (source.empty() ? "" : ": " + source) + "\n";
+}
+
+inline bool ThreadInsideJax(const PythonThread& thread) {
   for (const PythonFrame& f : thread.frames) {
-    if (f.file.find("/jax/") != std::string::npos || f.file.find("/jaxlib/") != std::string::npos) {
-      return true;
-    }
+    if (InsideJax(f)) return true;
   }
   return false;
 }
 
-// The innermost `most` frames, those inside mpicoll's own package left out (a
-// rank inside a collective: the report names its call already; the reader
-// wants the code that called it).
+// The innermost frames a reader wants: mpicoll's own left out (the report
+// names a rank's collective already), of JAX's only the innermost (where it
+// is: dispatching, compiling, waiting), then `most` frames of the code that
+// called them.
 inline std::string FramesText(const PythonThread& thread, int most) {
+  const std::vector<PythonFrame>& frames = thread.frames;
+  if (frames.empty()) return "      (no Python frame)\n";
   std::string text;
-  size_t first = 0;
-  while (!mpicoll_package_dir.empty() && first < thread.frames.size() &&
-         thread.frames[first].file.compare(0, mpicoll_package_dir.size(), mpicoll_package_dir) == 0) {
-    ++first;
+  size_t at = 0;
+  while (at < frames.size() && InsideMpicoll(frames[at])) ++at;
+  if (at == frames.size()) at = 0;  // all of it mpicoll's: show it
+  if (at > 0) text += "      (" + std::to_string(at) + " frames inside mpicoll)\n";
+  if (at < frames.size() && InsideJax(frames[at])) {
+    text += FrameLine(frames[at++]);
+    size_t library = 0;
+    while (at + library < frames.size() &&
+           (InsideJax(frames[at + library]) || InsideMpicoll(frames[at + library]))) {
+      ++library;
+    }
+    if (at + library < frames.size() && library > 0) {  // user code calls it: go there
+      text += "      (" + std::to_string(library) + " more frames inside JAX)\n";
+      at += library;
+    }
   }
-  if (first == thread.frames.size()) first = 0;
-  if (first > 0) text += "      (" + std::to_string(first) + " frames inside mpicoll)\n";
-  for (size_t i = first; i < thread.frames.size() && i < first + most; ++i) {
-    const PythonFrame& f = thread.frames[i];
-    text += "      " + ShortPath(f.file) + ":" + f.line + " in " + f.function;
-    const std::string source = SourceLine(f.file, f.line);
-    if (!source.empty()) text += ": " + source;
-    text += "\n";
-  }
-  if (thread.frames.empty()) text += "      (no Python frame)\n";
+  for (size_t i = at; i < frames.size() && i < at + most; ++i) text += FrameLine(frames[i]);
   return text;
 }
 
@@ -186,7 +204,7 @@ inline std::string PythonStacks() {
     if (thread.ident == main_ident) {
       text = "    Python, main thread (innermost first):\n" +
              FramesText(thread, kMainThreadFrames) + text;
-    } else if (InsideJax(thread) && others < kOtherThreadsShown) {
+    } else if (ThreadInsideJax(thread) && others < kOtherThreadsShown) {
       char head[96];
       std::snprintf(head, sizeof(head), "    Python, thread 0x%lx (inside JAX):\n", thread.ident);
       text += head + FramesText(thread, kOtherThreadFrames);
