@@ -295,14 +295,26 @@ def sources():
 
 @contextlib.contextmanager
 def override(**changes):
-    """A context manager: within it, the settings with `changes` (public as
-    `mpicoll.override_settings`; a field given None is left as it is).
+    """Within the block, the settings with `changes`; as before after it.
 
     Settings are read when a call is traced, so programs traced inside keep
-    what they saw, e.g. `with mpicoll.override_settings(local_combine_bytes=0):`
-    around a jitted function's first call forces the ranks x devices
-    allreduce off its in-handler combine (0 or float("inf") force a path
-    either way).  Every rank must use the same.
+    what they saw: around a jitted function's first call,
+    `local_combine_bytes=0` forces the ranks x devices allreduce off its
+    in-handler combine (0 or float("inf") force a path either way).  Every
+    rank must use the same.
+
+    Args:
+        changes: settings by their field names (docs/settings.md), e.g.
+            local_combine_bytes=0; a field given None is left as it is.
+
+    Returns:
+        A context manager; within it, `python -m mpicoll info` and the traced
+        programs see the changed settings (their source reads "override").
+
+    Example::
+
+        with mpicoll.override_settings(local_combine_bytes=0):
+            step(x)     # traced and compiled here: the per-device path
     """
     global _current, _sources
     changes = {field: value for field, value in changes.items() if value is not None}
