@@ -284,31 +284,20 @@ inline void CollectRecords(std::vector<int> from, double seconds) {
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
     dir = flight_dir;
   }
-  MPI_Comm comm = side_channel.load();
   const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
   while (!from.empty() && NowNs() < deadline) {
-    int pending = 0;
-    MPI_Message message;
-    MPI_Status status;
-    if (MPI_Improbe(MPI_ANY_SOURCE, kRecordsTag, comm, &pending, &message, &status) !=
-        MPI_SUCCESS) {
-      return;
-    }
-    if (!pending) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      continue;
-    }
-    int size = 0;
-    MPI_Get_count(&status, MPI_BYTE, &size);
-    std::vector<char> data(std::max(size, 0));
-    MPI_Mrecv(data.data(), size, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-    from.erase(std::remove(from.begin(), from.end(), status.MPI_SOURCE), from.end());
-    const auto end_of_dir = std::find(data.begin(), data.end(), '\0');
-    if (end_of_dir == data.end()) continue;
-    const std::string theirs(data.begin(), end_of_dir);
-    const std::string name = "rank" + std::to_string(status.MPI_SOURCE) + ".json";
-    if (theirs == dir && WrittenWithin(dir + "/" + name, /*seconds=*/30)) continue;
-    WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
+    bool any = false;
+    ReceiveEach(kRecordsTag, [&](int source, const std::vector<char>& data) {
+      any = true;
+      from.erase(std::remove(from.begin(), from.end(), source), from.end());
+      const auto end_of_dir = std::find(data.begin(), data.end(), '\0');
+      if (end_of_dir == data.end()) return;
+      const std::string theirs(data.begin(), end_of_dir);
+      const std::string name = "rank" + std::to_string(source) + ".json";
+      if (theirs == dir && WrittenWithin(dir + "/" + name, /*seconds=*/30)) return;
+      WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
+    });
+    if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
 }
 
