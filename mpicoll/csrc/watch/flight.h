@@ -114,6 +114,14 @@ inline std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
 inline std::mutex flight_setup_mutex;                // allocation and the directories
 inline std::string flight_dir, trace_dir;
 inline std::string temp_dir;                          // the temporary directory (stacks reports)
+
+// A copy of one of the folders above, taken under their lock: the watchdog
+// reads them while Python sets them, or the side channel's opening names the
+// job's folder.
+inline std::string FolderOf(const std::string& folder) {
+  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  return folder;
+}
 inline std::atomic<int64_t> clock_offset_ns{0};      // rank 0's clock minus this one's (tracing)
 
 inline bool Recording() { return tracing.load(std::memory_order_relaxed) ||
@@ -406,7 +414,8 @@ inline std::atomic<int64_t> last_flight_dump_ns{0};
 inline std::string last_flight_reason;  // the last dump's (flight_setup_mutex)
 
 inline bool DumpFlight(int world_rank, int world_size, const std::string& reason) {
-  if (flight_capacity.load() <= 0 || flight_dir.empty()) return false;
+  const std::string dir = FolderOf(flight_dir);
+  if (flight_capacity.load() <= 0 || dir.empty()) return false;
   const int64_t now = NowNs(), last = last_flight_dump_ns.load();
   if (last && now - last < 1000000000) return true;
   last_flight_dump_ns.store(now);
@@ -414,7 +423,7 @@ inline bool DumpFlight(int world_rank, int world_size, const std::string& reason
     std::lock_guard<std::mutex> lock(flight_setup_mutex);
     last_flight_reason = reason;
   }
-  return WriteRecords(flight_dir, world_rank, world_size, reason, Kept::kFlight);
+  return WriteRecords(dir, world_rank, world_size, reason, Kept::kFlight);
 }
 
 // The reason of a dump written in the last 2 s (a copy of the records sent
@@ -427,11 +436,7 @@ inline std::string RecentDumpReason(const std::string& fallback) {
 
 // The trace so far, to trace_dir ("" once it has stopped: nothing is written).
 inline bool WriteTrace(int world_rank, int world_size, const std::string& reason) {
-  std::string dir;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    dir = trace_dir;
-  }
+  const std::string dir = FolderOf(trace_dir);
   if (dir.empty()) return false;
   return WriteRecords(dir, world_rank, world_size, reason, Kept::kTrace);
 }

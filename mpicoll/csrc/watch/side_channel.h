@@ -261,11 +261,7 @@ inline bool CollectingRecords() {
 // Sends this rank's records to `reporter`: its flight folder, then the records.
 inline void SendRecords(int reporter, const std::string& reason) {
   if (!CollectingRecords() || reporter == WorldRank()) return;
-  std::string dir;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    dir = flight_dir;
-  }
+  const std::string dir = FolderOf(flight_dir);
   const std::string json = RecordsJson(WorldRank(), world_size.load(), RecentDumpReason(reason),
                                        Kept::kFlight, kSentRecords);
   std::vector<char> bytes(dir.begin(), dir.end());
@@ -279,11 +275,7 @@ inline void SendRecords(int reporter, const std::string& reason) {
 // copy is already there (the same folder on a shared or the same file system).
 inline void CollectRecords(std::vector<int> from, double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
-  std::string dir;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    dir = flight_dir;
-  }
+  const std::string dir = FolderOf(flight_dir);
   const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
   while (!from.empty() && NowNs() < deadline) {
     bool any = false;

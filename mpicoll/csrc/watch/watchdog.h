@@ -146,11 +146,7 @@ inline void GatherRecords(double seconds) {
 inline std::string FlightLine(int me, const std::string& why, bool gather = true) {
   if (!DumpFlight(me, world_size.load(), why)) return std::string();
   if (gather) GatherRecords(kGatherRecordsWithin);
-  std::string dir;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    dir = flight_dir;
-  }
+  const std::string dir = FolderOf(flight_dir);
   return "  flight records: " + dir + "/rank*.json (python -m mpicoll flight " + dir + ")\n";
 }
 
@@ -203,11 +199,7 @@ inline void WriteStacksReport() {
   for (size_t r = 0; r < states.size(); ++r) text += RankLine(static_cast<int>(r), states[r], {});
   std::fprintf(stderr, "%s", text.c_str());
   std::fflush(stderr);
-  std::string dir;
-  {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    dir = temp_dir;
-  }
+  const std::string dir = FolderOf(temp_dir);
   WriteFileAtomically(dir, "mpicoll-stacks-" + std::to_string(getpid()) + ".txt", text);
 }
 
