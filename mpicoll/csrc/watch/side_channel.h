@@ -248,9 +248,10 @@ inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms
 // Flight records a multi-node job can read: the rank that writes a report asks
 // the others for theirs (a dump notice, watchdog.h) and writes them into its
 // own folder (its node's temporary directory, or MPICOLL_FLIGHT_DIR), beside
-// its own, so that the report names one place holding every rank's.  Each rank still writes its
-// own full ring on its node; the copy sent holds its last kSentRecords per
-// device, and is sent only in jobs of up to kCollectRecordsUpTo ranks.
+// its own, so that the report names one place holding every rank's.  Each
+// rank still writes its own full ring on its node; the copy sent holds its
+// last kSentRecords per device, and is sent only in jobs of up to
+// kCollectRecordsUpTo ranks.
 constexpr size_t kSentRecords = 200;
 constexpr int kCollectRecordsUpTo = 256;
 
