@@ -254,9 +254,22 @@ inline const int64_t process_start_ns = NowNs();
 // job down before reading what is still in it (seen with MPICH's hydra: the
 // report, and even MPI_Abort's own line, lost in about one run in ten).  A
 // short pause first lets it drain the pipe; the job is ending anyway.
+// MPI_Abort itself may not end this process: Open MPI 4.1's waits for its
+// launcher to acknowledge, and a CI run saw a job outlive the abort's banner by
+// minutes.  A process that has not ended kAbortBackstopSeconds later ends
+// itself; a rank that ends without MPI_Finalize is one every launcher tears
+// the job down for.
+constexpr int kAbortBackstopSeconds = 10;
 [[noreturn]] inline void AbortJob(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
+  std::thread([code] {
+    std::this_thread::sleep_for(std::chrono::seconds(kAbortBackstopSeconds));
+    std::fprintf(stderr, "mpicoll: MPI_Abort did not end this process in %d s: it exits\n",
+                 kAbortBackstopSeconds);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }).detach();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort returned (it should not)
