@@ -16,7 +16,6 @@ import sys as _sys
 _OFFLINE = _sys.argv[:1] == ["-m"] and _sys.argv[1:2] in (["stacks"], ["flight"], ["trace"])
 
 if not _OFFLINE:
-    from ._src.runtime.settings import current as _current_settings  # reads MPICOLL_*
     from ._src.ops.collectives import (
         allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
         scan, scatter)
@@ -25,7 +24,7 @@ if not _OFFLINE:
     from ._src.ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
     from ._src.ops.vector import allgatherv, alltoallv, gatherv, scatterv
     from ._src.runtime.comm import default_comm
-    from . import topology
+    from . import topology  # noqa: F401 (mpicoll.topology, a public module)
     from ._src.primitive.overlap import overlap
     from ._src.observe.failures import (
         check_mode, clear_error, set_check_mode, set_stall_report, set_timeout)
@@ -33,27 +32,11 @@ if not _OFFLINE:
     from ._src.observe.tracing import start_trace, stop_trace, trace
     from ._src.runtime.native import thread_mode
     from ._src.survive import RankLost, State, fault_tolerant, lost_ranks, shrink
-    from ._src.over_ranks import lax  # importing it routes jax.lax collectives over RANKS
-    del lax  # reached as over_ranks.lax, not as a public name of mpicoll
-    # The subpackages, already mpicoll's attributes by the imports above.
-    from ._src import _compat, observe, primitive
 
-    # The settings the modules above do not apply themselves: abort on error, the
-    # check mode and the timeout (autodiff and dispatch start from the settings in
-    # primitive/varying.py and primitive/device_order.py).
-    observe.failures.configure(_current_settings())
-
-    # XLA's CPU pool at two threads per local device where the cores are fewer
-    # (unless the user set PJRT_NPROC, or JAX started its backends before this
-    # import): with fewer, XLA's own dispatch of multi-device programs can starve
-    # the device part a collective waits for (primitive/device_order.py,
-    # chain_safe; 2 ranks x 2 devices on 2 cores hung a gradient step in 1 of 2
-    # runs, issue 43).
-    primitive.device_order.size_xla_cpu_pool(warn_if_late=True)
-
-    # Errors show the caller's frames, not mpicoll's: JAX's traceback filtering (on by
-    # default, JAX_TRACEBACK_FILTERING=off shows everything) leaves mpicoll's out too.
-    _compat.hide_frames_under(__path__[0])
+    # Every change mpicoll makes to JAX, XLA and the process, in one declared
+    # order (_src/install.py; `python -m mpicoll info` lists them).
+    from ._src.install import install as _install
+    _install()
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",

@@ -316,6 +316,18 @@ def _duplicate_local_ranks(reports):
             for (node, name), values in seen.items() if len(set(values)) != len(values)]
 
 
+def _install_lines():
+    """What mpicoll changed in JAX, XLA and the process at import, in order (the same on every rank)."""
+    from ._src.install import installed
+    steps = installed()
+    width = max(len(name) for name, _, _ in steps)
+    lines = ["changes:       (made at import, in this order: mpicoll/_src/install.py)"]
+    for name, changes, outcome in steps:
+        lines.append(f"  {name:<{width}}  {changes}")
+        lines.append(f"  {'':<{width}}    here: {outcome}")
+    return lines
+
+
 def _format(reports):
     """The report rank 0 prints, from every rank's _rank_report()."""
     import mpi4py
@@ -375,6 +387,7 @@ def _format(reports):
         lines.append(f"mpicoll:       allreduce over {topo.size} rank(s) inside jax.jit: ok")
 
     lines += settings_lines
+    lines += _install_lines()
     lines.append("per rank:")
     width = len(str(topo.size - 1))
     for r in reports:

@@ -29,7 +29,8 @@ import socket
 import jax
 from mpi4py import MPI
 
-from . import _compat, topology
+from . import topology
+from ._src import _compat
 from ._src.primitive import device_order
 
 _initialized = False

@@ -21,7 +21,7 @@ import pytest
 from jax._src.interpreters import pxla
 
 import mpicoll
-from mpicoll import _compat
+from mpicoll._src import _compat
 from mpicoll._src.primitive import device_order, define
 from conftest import (RANK, SIZE, WORLD, all_ranks_data, assert_in_step, assert_same,
                       run_mpiexec, serial_only)

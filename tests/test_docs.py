@@ -217,7 +217,7 @@ def _path_exists(where, path):
 
 def test_the_paths_the_prose_names_exist():
     """Each path in README.md, docs/*.md and mpicoll's comments and docstrings
-    (mpicoll/..., tests/..., ops/blocks.py, engine/call.h, ../examples/demo.py; relative
+    (mpicoll/..., tests/..., ops/collectives.py, engine/call.h, ../examples/demo.py; relative
     to the repository, to mpicoll/, mpicoll/_src/ or mpicoll/csrc/, or to the file's own
     folders) is a
     file or directory of the repository, or under an output directory it ignores."""

@@ -186,7 +186,11 @@ def test_info_shows_every_setting_and_where_it_came_from():
     result = subprocess.run([sys.executable, "-m", "mpicoll", "info"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.split("settings:", 1)[1].split("per rank:")[0].splitlines()[1:]
+    settings_and_changes = result.stdout.split("settings:", 1)[1].split("per rank:")[0]
+    lines = settings_and_changes.split("changes:", 1)[0].splitlines()[1:]
+    # then what mpicoll changed at import (_src/install.py; tests/test_install.py)
+    changes = settings_and_changes.split("changes:", 1)[1].splitlines()[1:]
+    assert [line.split()[0] for line in changes[::2]][:2] == ["xla-cpu-pool", "ffi-targets"], changes
     # A variable nothing reads: the import warned, and info names it under the settings.
     assert lines[-1] == "  MPICOLL_TIMOUT is set but mpicoll reads no such variable; did you " \
         "mean MPICOLL_TIMEOUT?", lines

@@ -397,7 +397,7 @@ PyObject* SetCheckMode(PyObject*, PyObject* arg) {
     PyErr_SetString(PyExc_ValueError, "check mode must be 0 (off), 1 (first run) or 2 (every call)");
     return nullptr;
   }
-  check_mode.store(static_cast<int>(mode));
+  watch_settings.check_mode.store(static_cast<int>(mode));
   Py_RETURN_NONE;
 }
 
@@ -416,7 +416,7 @@ PyObject* PairwiseReduceScatterSizes(PyObject*, PyObject* args) {
 PyObject* PauseAfterMismatch(PyObject*, PyObject* args) {
   double seconds = 0;
   if (!PyArg_ParseTuple(args, "d", &seconds)) return nullptr;
-  pause_after_mismatch.store(seconds);
+  watch_settings.pause_after_mismatch.store(seconds);
   Py_RETURN_NONE;
 }
 
@@ -454,11 +454,11 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
   return PyUnicode_FromStringAndSize(message.data(), static_cast<Py_ssize_t>(message.size()));
 }
 
-// True: mpicoll's MPI calls take serialized_mpi_mutex (MPI_THREAD_SERIALIZED mode).
+// True: mpicoll's MPI calls take serialized_mpi.mutex (MPI_THREAD_SERIALIZED mode).
 PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return nullptr;
-  serialize_mpi_calls.store(on != 0);
+  serialized_mpi.on.store(on != 0);
   Py_RETURN_NONE;
 }
 

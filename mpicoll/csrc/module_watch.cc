@@ -34,10 +34,10 @@ PyObject* SetWatchdogSeconds(PyObject* arg, std::atomic<double>& threshold) {
   Py_RETURN_NONE;
 }
 
-PyObject* SetTimeout(PyObject*, PyObject* arg) { return SetWatchdogSeconds(arg, timeout_seconds); }
+PyObject* SetTimeout(PyObject*, PyObject* arg) { return SetWatchdogSeconds(arg, watch_settings.timeout_seconds); }
 
 PyObject* SetStallReport(PyObject*, PyObject* arg) {
-  return SetWatchdogSeconds(arg, stall_report_seconds);
+  return SetWatchdogSeconds(arg, watch_settings.stall_report_seconds);
 }
 
 // The watchdogs' private duplicate of COMM_WORLD, made in Python at
@@ -244,20 +244,20 @@ PyObject* WriteRecordsNow(PyObject* arg, Write&& write) {
 
 PyObject* PyWriteTrace(PyObject*, PyObject* arg) {
   return WriteRecordsNow(arg, [](const std::string& why) {
-    return WriteTrace(WorldRank(), world_size.load(), why);
+    return WriteTrace(WorldRank(), comm_world.size.load(), why);
   });
 }
 
 PyObject* PyStopTrace(PyObject*, PyObject* arg) {
   return WriteRecordsNow(arg, [](const std::string& why) {
-    return StopTrace(WorldRank(), world_size.load(), why);
+    return StopTrace(WorldRank(), comm_world.size.load(), why);
   });
 }
 
 PyObject* PyDumpFlight(PyObject*, PyObject* arg) {
   return WriteRecordsNow(arg, [](const std::string& why) {
     last_flight_dump_ns.store(0);  // asked for: not rate-limited
-    return DumpFlight(WorldRank(), world_size.load(), why);
+    return DumpFlight(WorldRank(), comm_world.size.load(), why);
   });
 }
 

@@ -25,7 +25,7 @@ from .mesh import (  # noqa: F401
     current_mesh_shape,
     is_batched, lower_function, lowering_mesh, no_context_mesh, partitioned_devices,
     manual_mesh_axes, check_vma_enabled, devices_running_this_trace,
-    pvary, refuse_lax_collectives_over, route_lax_collectives, size_axis,
+    pvary, refuse_lax_collectives_over, route_lax_collectives, size_axis, unrouted_lax,
     varying_axes, with_varying_axes)
 from . import dispatch_hooks  # noqa: F401
 from .dispatch_hooks import (  # noqa: F401

@@ -1,5 +1,9 @@
 """Manual mesh axes (pmap / shard_map): varying types, JAX's pvary, and lax collectives."""
 
+import contextlib
+import functools
+import threading
+
 import jax
 from jax._src import config as _config
 from jax._src import core as _core
@@ -96,19 +100,65 @@ def route_lax_collectives(route):
     functions catches every path to the primitive (jax.lax.pmean, axis_index of
     a tuple, pswapaxes, a name imported before mpicoll) and leaves the
     transforms to the route: a vmapped or differentiated call arrives with
-    tracers, before any of JAX's rules for the primitive run.
+    tracers, before any of JAX's rules for the primitive run.  Returns the
+    names of the primitives routed.
     """
+    routed = []
     for value in vars(_parallel).values():
         if not isinstance(value, _core.Primitive) or "bind" in vars(value):
             continue
 
         def bind(*args, primitive=value, original=type(value).bind, **params):
+            if _binding_unrouted.active:  # mpicoll's own, over device axes (unrouted_lax)
+                return original(primitive, *args, **params)
             out = route(primitive.name, args, params)
             if out is NotImplemented:
                 return original(primitive, *args, **params)
             return out
 
         value.bind = bind
+        routed.append(value.name)
+    return routed
+
+
+class _BindingUnrouted(threading.local):
+    active = False
+
+
+_binding_unrouted = _BindingUnrouted()
+
+
+@contextlib.contextmanager
+def _unrouted():
+    previous, _binding_unrouted.active = _binding_unrouted.active, True
+    try:
+        yield
+    finally:
+        _binding_unrouted.active = previous
+
+
+class _UnroutedLax:
+    """jax.lax with its collectives bound as JAX binds them, never through
+    route_lax_collectives' router: what mpicoll itself calls over device axes
+    (a process's local devices, or a global mesh JAX runs).  A name of jax.lax
+    read here is the same function, called with the router bypassed; the
+    bypass is per thread and lasts for the call (a transform JAX applies later,
+    a transpose or a batching rule, binds through the router again, which hands
+    device axes back to JAX)."""
+
+    def __getattr__(self, name):
+        function = getattr(jax.lax, name)
+
+        @functools.wraps(function)
+        def unrouted(*args, **kwargs):
+            with _unrouted():
+                return function(*args, **kwargs)
+
+        setattr(self, name, unrouted)
+        return unrouted
+
+
+unrouted_lax = _UnroutedLax()
 
 
 def size_axis(name, size):
@@ -143,9 +193,10 @@ def pvary(x, axes):
 def all_gather_invariant(x, axis_name, *, axis=0, tiled=False):
     """all_gather whose output is typed invariant over axis_name (shard_map check_vma)."""
     legacy = getattr(_parallel, "all_gather_invariant", None)  # up to jax 0.11
-    if legacy is not None:
-        return legacy(x, axis_name, axis=axis, tiled=tiled)
-    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+    with _unrouted():  # called by mpicoll over device axes
+        if legacy is not None:
+            return legacy(x, axis_name, axis=axis, tiled=tiled)
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 
 

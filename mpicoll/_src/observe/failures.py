@@ -312,6 +312,9 @@ def configure(current):
         _announcing = True
         atexit.register(announce_finished)
         _watch_process_exit()
+    return (f"abort on error {'on' if abort else 'off'}; "
+            + ("end notices to the other ranks (atexit, os._exit)" if _announcing
+               else "no end notices (one rank, or serialized)"))
 
 
 # --- Ranks that end: the others' watchdogs hold their waits against it --------------------

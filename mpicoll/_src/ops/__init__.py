@@ -1,4 +1,4 @@
-"""The collectives: the public functions (collectives.py, vector.py, p2p.py), the
-specs of the rank-block collectives (blocks.py), and their ranks x devices forms
+"""The collectives, each family's specs beside its public functions (collectives.py:
+the rank-block ones; vector.py; p2p.py), and their ranks x devices forms
 (ranks_devices.py; local_meeting.py: the local devices' meeting).
 """

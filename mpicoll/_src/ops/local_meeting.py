@@ -42,10 +42,12 @@ import numpy as np
 from jax import lax
 
 from .. import _compat
+from .._compat import unrouted_lax  # jax.lax over device axes, bypassing the router
 from ..runtime import dtypes, comm as comm_layer, native
-from . import blocks
 from ..primitive import varying
-from ..primitive.define import effectful_primitive, mpi_effect, ordered_ffi_call
+from ..primitive.define import (
+    effectful_primitive, mpi_effect, ordered_ffi_call, reduction_tangent)
+from ..primitive.spec import SPECS  # the rank-block collectives (ops/collectives.py), by name
 
 # name -> (code, rows_in): the extension's table (csrc/meeting/kinds.def).
 _TABLE = native.extension.meeting_kinds()
@@ -99,7 +101,7 @@ def _abstract_eval(x, *, kind, comm, size, local, invariant=(), axis_name=None, 
         # invariant over the local axis; over the ranks as mpicoll's allreduce.
         if _compat.check_vma_enabled() and axis_name is not None:
             x = _compat.with_varying_axes(x, _compat.varying_axes(x) - {axis_name})
-        return varying.typed_output(blocks.ALLREDUCE, x, x.shape,
+        return varying.typed_output(SPECS["allreduce"], x, x.shape,
                                     {"comm": comm, "size": size, **params}), {mpi_effect}
     out = _compat.aval_with_shape(x, _shape(x.shape, kind, size * local))
     axes = set(varying.typed_axes(comm))
@@ -152,9 +154,9 @@ def _own_row(params):
     """This participant's rank-major row (r * L + k), traced."""
     axes, rows = params["invariant"] or ((params["axis_name"],), ())
     if rows:  # a global mesh: the axes' index, reordered rank-major
-        return jnp.asarray(rows, jnp.int32)[lax.axis_index(axes)]
+        return jnp.asarray(rows, jnp.int32)[unrouted_lax.axis_index(axes)]
     rank = comm_layer.info_for_slot(params["comm"]).rank
-    return rank * params["local"] + lax.axis_index(axes[-1])
+    return rank * params["local"] + unrouted_lax.axis_index(axes[-1])
 
 
 def _allreduce_tangent(x, y, t, params):
@@ -164,7 +166,7 @@ def _allreduce_tangent(x, y, t, params):
         raise NotImplementedError(
             f"jax.lax.p{op} over axes spanning processes has no derivative (JAX defines "
             "none for pmax and pmin)")
-    return blocks.reduction_tangent(
+    return reduction_tangent(
         "allreduce", op, x, lambda: y, t, lambda v: _rebind(v, **{**params, "op": _SUM}),
         lambda: _rebind(x, **{**params, "kind": "allgather", "op": 0, "split": False}),
         lambda: _own_row(params))

@@ -46,13 +46,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from . import blocks, local_meeting
+from . import local_meeting
 from .. import _compat
+from .._compat import unrouted_lax  # jax.lax over device axes, bypassing the router
 from ..runtime import settings, dtypes, comm as comm_layer
 from ..primitive import validate
 from ..primitive.dispatch import bind
+from ..primitive.spec import SPECS  # the rank-block collectives (ops/collectives.py), by name
 
 # The two thresholds below are set at 2 devices and fall as 1 / (L - 1)
 # (their values at 2 devices: runtime/settings.py).
@@ -122,7 +123,7 @@ def composed_on_cpu():
 
 def _local_axis_size(axis_name, caller):
     try:
-        return lax.axis_size(axis_name)
+        return unrouted_lax.axis_size(axis_name)
     except (NameError, KeyError, ValueError) as error:
         raise ValueError(f"mpicoll.{caller}: axis_name={axis_name!r} is not a mapped axis here; "
                          "use it inside pmap or shard_map over the local devices") from error
@@ -151,7 +152,7 @@ def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=(
     devices, or a process's devices alone.  local, groups: the devices that meet
     per rank, and each device's group where several groups meet apart."""
     if local is None:
-        local = jax.local_device_count() if whole else lax.axis_size(axis_name)
+        local = jax.local_device_count() if whole else unrouted_lax.axis_size(axis_name)
     split = x.size * x.dtype.itemsize > local_combine_bytes(local)
     return local_meeting.meet(x, "allreduce", info, local, op=dtypes.op_code(
         op, x.dtype, "allreduce"), split=split, axis_name=axis_name, whole=whole,
@@ -160,27 +161,27 @@ def combined_allreduce(x, op, info, axis_name, whole=False, local=None, groups=(
 
 def _composed_allreduce(x, op, comm, axis_name):
     """The lax collective over the local devices, then the per-device MPI allreduce."""
-    local = lax.axis_size(axis_name)
+    local = unrouted_lax.axis_size(axis_name)
     vma = _compat.check_vma_enabled()
     # psum's transpose is psum under pmap, and pvary (identity) with check_vma.
-    per_rank = functools.partial(bind, blocks.ALLREDUCE, op=op, comm=comm,
+    per_rank = functools.partial(bind, SPECS["allreduce"], op=op, comm=comm,
                                  transpose_sums=not vma)
     if op.name != "sum":
         # Every device reduces the same gathered rows, so the result is typed
         # invariant over the local axis, as lax.pmax's is (its derivative then
         # reaches the device whose element won).
-        gathered = (_compat.all_gather_invariant if vma else lax.all_gather)(x, axis_name)
+        gathered = (_compat.all_gather_invariant if vma else unrouted_lax.all_gather)(x, axis_name)
         combined = functools.reduce(dtypes.elementwise(op.name),
                                     [gathered[k] for k in range(local)])
         return per_rank(combined.astype(x.dtype))
     if local == 1 or x.size * x.dtype.itemsize < split_allreduce_bytes(local):
-        return per_rank(lax.psum(x, axis_name))
+        return per_rank(unrouted_lax.psum(x, axis_name))
     flat = x.reshape(-1)
     padded = -flat.size % local
     flat = jnp.pad(flat, (0, padded))
-    mine = lax.psum_scatter(flat, axis_name, tiled=True)  # this device's 1/L, summed locally
+    mine = unrouted_lax.psum_scatter(flat, axis_name, tiled=True)  # this device's 1/L, summed locally
     mine = per_rank(mine)  # every device allreduces its own part across ranks, in parallel
-    gather = _compat.all_gather_invariant if vma else lax.all_gather
+    gather = _compat.all_gather_invariant if vma else unrouted_lax.all_gather
     full = gather(mine, axis_name, tiled=True)
     return full[:x.size].reshape(x.shape)
 
@@ -194,8 +195,8 @@ def allgather(x, comm, axis_name):
     if meets(local):
         return local_meeting.meet(x, "allgather", info, local, axis_name=axis_name)
     # lax.all_gather transposes to psum_scatter: the MPI part sums over ranks too.
-    across_ranks = bind(blocks.ALLGATHER, x, comm=info, transpose_sums=True)
-    everything = lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
+    across_ranks = bind(SPECS["allgather"], x, comm=info, transpose_sums=True)
+    everything = unrouted_lax.all_gather(across_ranks, axis_name)  # (L, size, *s)
     size = across_ranks.shape[0]
     return jnp.swapaxes(everything, 0, 1).reshape((size * local, *x.shape))
 
@@ -218,8 +219,8 @@ def alltoall(x, comm, axis_name):
         return local_meeting.meet(x, "alltoall", info, local, axis_name=axis_name)
     # Device k' receives, from every local device k, the rows meant for devices k':
     # [dest rank, src device].
-    parts = lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
-    parts = bind(blocks.ALLTOALL, parts, comm=info)  # [src rank, src device]
+    parts = unrouted_lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
+    parts = bind(SPECS["alltoall"], parts, comm=info)  # [src rank, src device]
     return parts.reshape(x.shape)
 
 
@@ -236,9 +237,9 @@ def bcast(x, root, comm, axis_name):
         return local_meeting.meet(x, "bcast", info, local, axis_name=axis_name, root=root,
                                   invariant=((axis_name,), ()) if vma else ())
     root_rank, root_device = divmod(root, local)
-    mask = lax.axis_index(axis_name) == root_device
-    on_rank = lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
-    return bind(blocks.BCAST, on_rank.astype(x.dtype), comm=info, root=root_rank,
+    mask = unrouted_lax.axis_index(axis_name) == root_device
+    on_rank = unrouted_lax.psum(jnp.where(mask, x, jnp.zeros_like(x)), axis_name)
+    return bind(SPECS["bcast"], on_rank.astype(x.dtype), comm=info, root=root_rank,
                 transpose_sums=not vma)
 
 
@@ -250,12 +251,12 @@ def reduce_scatter(x, op, comm, axis_name):
                                   op=dtypes.op_code(op, x.dtype, "reduce_scatter"))
     if op.name == "sum":
         # Device k keeps, for every rank, the rows meant for local device k, summed locally.
-        mine = lax.psum_scatter(parts, axis_name, scatter_dimension=1)  # [dest rank, ...]
+        mine = unrouted_lax.psum_scatter(parts, axis_name, scatter_dimension=1)  # [dest rank, ...]
     else:
-        everything = lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
+        everything = unrouted_lax.all_to_all(parts, axis_name, split_axis=1, concat_axis=1)
         # [dest rank, source device]: combine over the local source devices
         mine = functools.reduce(dtypes.elementwise(op.name),
                                 [everything[:, k] for k in range(local)])
         mine = mine.astype(x.dtype)
     vma = _compat.check_vma_enabled()
-    return bind(blocks.REDUCE_SCATTER, mine, op=op, comm=info, transpose_sums=not vma)
+    return bind(SPECS["reduce_scatter"], mine, op=op, comm=info, transpose_sums=not vma)

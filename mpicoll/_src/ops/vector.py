@@ -18,7 +18,7 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from . import blocks
+from .collectives import ALLREDUCE
 from ..primitive import spec
 from ..runtime import dtypes
 from ..primitive.dispatch import bind
@@ -112,7 +112,7 @@ def _batch(x, dim, params):
 def _own_slice(ct, params):
     """Rank r's rows of an allgatherv output (with transpose_sums, of the sum over ranks)."""
     if params["transpose_sums"]:
-        ct = blocks.ALLREDUCE.run(ct, params, op=dtypes.SUM, ffi_args=())
+        ct = ALLREDUCE.run(ct, params, op=dtypes.SUM, ffi_args=())
     counts, rank = _counts(params), _rank(params)
     start = sum(counts[:rank])
     return ct[start:start + counts[rank]]

@@ -47,8 +47,9 @@ import numpy as np
 from jax import lax
 from mpi4py import MPI
 
-from ..ops import blocks, local_meeting, ranks_devices
+from ..ops import collectives, local_meeting, ranks_devices
 from .. import _compat
+from .._compat import unrouted_lax  # jax.lax over device axes, bypassing the router
 from . import mesh_groups
 from ..primitive import varying
 from ..runtime import comm as comm_layer
@@ -126,11 +127,11 @@ class _Participants:
     def index(self, axes):
         """This participant's index in the axes' order (traced where it depends on the device)."""
         if self.layout == WHOLE:
-            return lax.axis_index(axes)  # JAX's own: the mesh spans the processes
+            return unrouted_lax.axis_index(axes)  # JAX's own: the mesh spans the processes
         rank = self.comm.rank
         if self.layout == PER_DEVICE:
             return jnp.int32(rank)
-        device = lax.axis_index(self.local_axis)
+        device = unrouted_lax.axis_index(self.local_axis)
         ranks = self.comm.size
         return device * ranks + rank if self.devices_first else rank * self.local + device
 
@@ -151,7 +152,7 @@ def _over_ranks(axes, caller):
         who = _Participants(world, PER_DEVICE, world.size)
         who.split_from = ("RANKS", 0)  # what axis_index_groups split: COMM_WORLD, color 0
         return who
-    local = lax.axis_size(others[0])
+    local = unrouted_lax.axis_size(others[0])
     return _Participants(world, RANKS_X_AXIS, world.size * local, others[0], local,
                          devices_first=axes[0] != RANKS)
 
@@ -198,7 +199,7 @@ def _zeros_like(x):
 def _allreduce(x, op, who):
     if who.layout == PER_DEVICE:
         # psum transposes to psum under pmap-style typing, to pvary with check_vma.
-        return bind(blocks.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
+        return bind(collectives.ALLREDUCE, x, comm=who.comm, op=op, transpose_sums=not _vma())
     if who.layout == RANKS_X_AXIS:
         return ranks_devices.allreduce(x, op, who.comm, who.local_axis)
     return ranks_devices.combined_allreduce(x, op, who.comm, who.axes[0], whole=True,
@@ -215,9 +216,9 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
             else ((who.local_axis,), ()))  # ranks x a local axis: rank * L + device
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
-        rows = bind(blocks.ALLGATHER, x, comm=who.comm, transpose_sums=is_varying)  # (ranks, *s)
+        rows = bind(collectives.ALLGATHER, x, comm=who.comm, transpose_sums=is_varying)  # (ranks, *s)
     if who.layout == RANKS_X_AXIS and not who.meets():
-        gather = lax.all_gather if is_varying else _compat.all_gather_invariant
+        gather = unrouted_lax.all_gather if is_varying else _compat.all_gather_invariant
         rows = gather(rows, who.local_axis)  # (L, ranks, *s)
         if not who.devices_first:
             rows = jnp.swapaxes(rows, 0, 1)
@@ -255,7 +256,7 @@ def _psum_scatter(x, who, *, scatter_dimension, tiled):
     if who.layout == WHOLE:
         return who.meet(rows, "reduce_scatter")
     if who.layout == PER_DEVICE:
-        return bind(blocks.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
+        return bind(collectives.REDUCE_SCATTER, rows, comm=who.comm, op="sum",
                     transpose_sums=not _vma())
     return ranks_devices.reduce_scatter(rows, "sum", who.comm, who.local_axis)
 
@@ -267,7 +268,7 @@ def _exchange(rows, who):
     if who.layout == WHOLE:
         rows = who.meet(rows, "alltoall")
     elif who.layout == PER_DEVICE:
-        rows = bind(blocks.ALLTOALL, rows, comm=who.comm)
+        rows = bind(collectives.ALLTOALL, rows, comm=who.comm)
     else:
         rows = ranks_devices.alltoall(rows, who.comm, who.local_axis)
     return who.axes_order(rows)
@@ -348,7 +349,7 @@ def _pbroadcast(x, who, *, source):
         raise ValueError(f"jax.lax.pbroadcast: source={source} is not one of the {who.count} "
                          "participants")
     if who.layout == PER_DEVICE:
-        return bind(blocks.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
+        return bind(collectives.BCAST, x, comm=who.comm, root=source, transpose_sums=True)
     if not who.meets():
         raise NotImplementedError(
             "jax.lax.pbroadcast over the ranks and a local axis on GPUs: use it over "
@@ -470,7 +471,7 @@ def _within_process(axes):
     round trip inside the process.  On GPUs XLA's own stay."""
     if jax.default_backend() != "cpu":
         return None
-    devices = lax.axis_size(axes)
+    devices = unrouted_lax.axis_size(axes)
     if devices == 1:
         return None  # nothing to meet
     return _Participants(_this_process(tuple(axes)), WHOLE, devices, local=devices)
@@ -505,5 +506,16 @@ def _route(name, args, params):
     return route(x, who, params)
 
 
-_compat.size_axis(RANKS, lambda: varying.world().size)
-_compat.route_lax_collectives(_route)
+def size_ranks_axis():
+    """An install step (install.py): RANKS reports the number of ranks as its size."""
+    _compat.size_axis(RANKS, lambda: varying.world().size)
+    return f"{RANKS!r}"
+
+
+def route_lax_collectives():
+    """An install step (install.py): every lax.parallel primitive's bind asks _route first."""
+    routed = _compat.route_lax_collectives(_route)
+    common = [name for name in ("psum", "pmax", "pmin", "all_gather", "reduce_scatter",
+                                "all_to_all", "ppermute", "pbroadcast", "axis_index")
+              if name in routed]
+    return f"{len(routed)} primitives ({', '.join(common)}, ...)"

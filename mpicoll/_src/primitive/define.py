@@ -12,9 +12,9 @@ evaluation, eager evaluation, the lowering, batching and AD rules.
 
 import functools
 import itertools
-import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
@@ -32,8 +32,7 @@ class MPIEffect(_compat.Effect):
         return "MPI"
 
 
-mpi_effect = MPIEffect()
-_compat.register_ordered_effect(MPIEffect)
+mpi_effect = MPIEffect()  # registered as an ordered effect by install.py
 
 # Every lowered call gets its own site number, an attribute of its custom call:
 # by default the handler compares a site's call across ranks the first time it
@@ -382,3 +381,25 @@ def define(spec):
     single = _single_array_primitive(spec)
     spec.owns(single, _fused_primitive(spec, single) if spec.family == "blocks" else None)
     return spec
+
+
+def reduction_tangent(name, op, x, selected, t, summed, gathered, own_row):
+    """The derivative of a reduction with the non-linear op (min, max, prod) over
+    some participants, linear in the tangent t: summed(v) sums v over them,
+    gathered() stacks every participant's x, own_row() is this participant's
+    place in that stack, selected is the min or max (reduce asks for it).  The
+    other reductions differentiate op="sum" only.  Shared by the rank-block
+    collectives (ops/collectives.py) and the local meeting's allreduce
+    (ops/local_meeting.py)."""
+    if op in ("min", "max"):
+        # Like jnp.max: the selected elements' tangents, ties sharing equally.
+        chosen = (x == selected()).astype(t.dtype)
+        count = summed(chosen)
+        return summed(t * chosen) * jnp.where(count > 0, 1 / jnp.where(count > 0, count, 1), 0)
+    if op == "prod":
+        # d(prod_p x_p) = sum_p (product of the others' x) * t_p: exact with zeros.
+        everyone = gathered()
+        own = (jnp.arange(everyone.shape[0]) == own_row()).reshape((-1,) + (1,) * x.ndim)
+        others = jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
+        return summed(others * t)
+    raise NotImplementedError(f"mpicoll.{name}: op={op!r} has no derivative")

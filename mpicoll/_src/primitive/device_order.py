@@ -65,10 +65,10 @@ def size_xla_cpu_pool(warn_if_late=False):
     PJRT_NPROC or NPROC of the user's stays.  Measured cost there: a multi-device
     program without collective dispatches in 94-100 us instead of 38-54 (XLA's
     idle pool threads spin on the cores the dispatching thread needs); a 2048^2
-    matmul is unchanged (98-102 ms with 2, 4 or 8 threads)."""
+    matmul is unchanged (98-102 ms with 2, 4 or 8 threads).  Returns what it did."""
     global _pool_we_set
     if os.environ.get("PJRT_NPROC", "") != _pool_we_set or os.environ.get("NPROC", "").strip():
-        return  # the user's
+        return "left as set (PJRT_NPROC or NPROC of the user's)"
     if _compat.backends_initialized():  # XLA has sized its pool already
         if warn_if_late and cpu_device_count() > 1 and not chain_safe():
             import warnings
@@ -78,7 +78,7 @@ def size_xla_cpu_pool(warn_if_late=False):
                 "multi-device programs with collectives can then hang in XLA's own dispatch. "
                 f"Import mpicoll before any JAX computation, or set "
                 f"PJRT_NPROC={2 * cpu_device_count()} (docs/devices.md)", stacklevel=3)
-        return
+        return "too late: JAX's backends had started"
     devices = getattr(jax.config, "jax_num_cpu_devices", -1)
     if not isinstance(devices, int) or devices < 0:
         found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
@@ -86,6 +86,8 @@ def size_xla_cpu_pool(warn_if_late=False):
         devices = int(found[-1]) if found else 1
     if devices > 1 and _cores() < 2 * devices:
         _pool_we_set = os.environ["PJRT_NPROC"] = str(2 * devices)
+        return f"PJRT_NPROC={_pool_we_set} ({devices} CPU devices, {_cores()} cores)"
+    return f"not needed ({devices} CPU device(s), {_cores()} cores)"
 
 
 _pool_we_set = ""  # the PJRT_NPROC size_xla_cpu_pool set, which it may change again
@@ -312,18 +314,43 @@ class DeviceOrderDispatch:
 # flight (XLA's CPU client holds 32 executions per device; fences add two per
 # device and program in "device-order" mode).
 MAX_MULTI_DEVICE_AHEAD = 8
-RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path(MAX_MULTI_DEVICE_AHEAD)
-# Serialized mode (native.SERIALIZED): a program's MPI calls are all done when
-# its dispatch returns, so none is in flight while Python (and mpi4py) runs.
-# Eager calls complete before returning anyway (dispatch.bind).
-if native.SERIALIZED and not _compat.complete_dispatches_with(MPIEffect):
-    raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
-                      f"program, which this JAX ({jax.__version__}) does not let it do; use "
-                      "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
+RUNTIME_TOKEN_FAST_PATH = False  # whether install_runtime_token_fast_path could
+
+
+def install_runtime_token_fast_path():
+    """An install step (install.py)."""
+    global RUNTIME_TOKEN_FAST_PATH
+    RUNTIME_TOKEN_FAST_PATH = _compat.install_runtime_token_fast_path(MAX_MULTI_DEVICE_AHEAD)
+    return "on" if RUNTIME_TOKEN_FAST_PATH else "off (this JAX's runtime tokens differ)"
+
+
+def complete_serialized_dispatches():
+    """An install step (install.py).  Serialized mode (native.SERIALIZED): a
+    program's MPI calls are all done when its dispatch returns, so none is in
+    flight while Python (and mpi4py) runs.  Eager calls complete before
+    returning anyway (dispatch.bind)."""
+    if not native.SERIALIZED:
+        return "not needed (MPI_THREAD_MULTIPLE)"
+    if not _compat.complete_dispatches_with(MPIEffect):
+        raise ImportError("mpicoll at MPI_THREAD_SERIALIZED needs to wait for each dispatched "
+                          f"program, which this JAX ({jax.__version__}) does not let it do; use "
+                          "MPI_THREAD_MULTIPLE (MPI4PY_RC_THREAD_LEVEL=multiple)")
+    return "on"
+
 
 DISPATCH_MODES = ("device-order", "tokens")
 _policy = DeviceOrderDispatch(MPIEffect)
-DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _policy.install()
+DEVICE_ORDER_AVAILABLE = False  # whether install_device_order could install its hooks
+
+
+def install_device_order():
+    """An install step (install.py): the device-order hooks where JAX allows them,
+    then the dispatch mode of the settings."""
+    global DEVICE_ORDER_AVAILABLE
+    DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _policy.install()
+    set_dispatch_from_settings(settings.current())
+    return (f"hooks {'installed' if DEVICE_ORDER_AVAILABLE else 'not installed'}; "
+            f"mode {dispatch_mode()}")
 
 
 def set_dispatch(mode):
@@ -419,5 +446,3 @@ def after_pending_programs():
 def _cpu_only_process():
     return jax.default_backend() == "cpu"  # no accelerator: every array is on a CPU device
 
-
-set_dispatch_from_settings(settings.current())

@@ -35,7 +35,6 @@ devices; nor may the layout be one XLA chooses when the program is compiled
 when it traces the call, and says so.
 """
 
-import functools
 import math
 
 import jax
@@ -44,6 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .. import _compat
+from .._compat import unrouted_lax  # jax.lax over device axes, bypassing the router
 
 # Collectives whose output gains (+1) or loses (-1) a leading ranks dimension.
 _LEADING_CHANGE = {"allgather": +1, "gather": +1, "scatter": -1, "reduce_scatter": -1}
@@ -206,7 +206,7 @@ def region(name, layout, family, call):
 def _replica_index(layout):
     index = 0
     for axis in layout.replicated:
-        index = index * layout.mesh.shape[axis] + lax.axis_index(axis)
+        index = index * layout.mesh.shape[axis] + unrouted_lax.axis_index(axis)
     return index
 
 
@@ -231,6 +231,6 @@ def _split_over_replicas(name, shard, layout, call):
         flat = jnp.pad(flat, pad)
     mine = lax.dynamic_slice_in_dim(flat, _replica_index(layout) * piece, piece, axis=lead_in)
     out = call(mine)
-    whole = lax.all_gather(out, layout.replicated, axis=out.ndim - 1, tiled=True)
+    whole = unrouted_lax.all_gather(out, layout.replicated, axis=out.ndim - 1, tiled=True)
     out_lead = out.shape[:-1]
     return lax.slice_in_dim(whole, 0, count, axis=out.ndim - 1).reshape(out_lead + rest)

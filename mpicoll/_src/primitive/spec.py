@@ -4,7 +4,7 @@ of every spec, and the docstring filler of the public functions.
 A spec gives what differs between collectives (the output shape rule, whether
 it takes a root and a reduction op, its vmap and autodiff hooks); one mechanism
 (define.py) turns it into a JAX primitive.  The families:
-"blocks" (ops/blocks.py: equal rank blocks, pytrees fuse), "vector" (vector.py:
+"blocks" (ops/collectives.py: equal rank blocks, pytrees fuse), "vector" (vector.py:
 counts per rank) and "peer" (p2p.py: point-to-point).  The extension's own table
 of collectives (csrc/ops.def) is the other half of a row; `define` checks that
 the two agree.

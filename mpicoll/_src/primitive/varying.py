@@ -114,7 +114,7 @@ def _spans_all_ranks(params):
 # to a replicated value (e.g. parameters) before using it rank-dependently, so
 # that the gradient collects every rank's contribution (as shard_map does).
 # No MPI call: the identity's lowering is its input.  Its transpose, the
-# allreduce, is registered beside the allreduce (ops/blocks.py).
+# allreduce, is registered beside the allreduce (ops/collectives.py).
 
 pvary_p = Primitive("mpicoll_pvary")
 pvary_p.def_impl(lambda x, **params: x)
@@ -285,11 +285,15 @@ def check_reverse_mode(name, params):
         "MPICOLL_AUTODIFF=convention (docs/autodiff.md)")
 
 
-# The lax collectives over RANKS are routed to mpicoll's when they bind
-# (over_ranks/lax.py); one that reaches XLA anyway (bound before mpicoll was
-# imported, e.g. in a jaxpr traced earlier) would act on this process alone.
-_compat.refuse_lax_collectives_over(
-    RANKS, "jax.lax {name} over " + repr(RANKS) + " reached XLA, which would run it on this "
-    "process alone: the axis stands for the MPI ranks. It was bound without mpicoll's "
-    "routing (traced before mpicoll was imported?); import mpicoll first, or use mpicoll's "
-    "collectives (allreduce for psum, allgather for all_gather, sendrecv for ppermute)")
+def refuse_unrouted_lax_over_ranks():
+    """An install step (install.py).  The lax collectives over RANKS are routed to
+    mpicoll's when they bind (over_ranks/lax.py); one that reaches XLA anyway
+    (bound before mpicoll was imported, e.g. in a jaxpr traced earlier) would act
+    on this process alone."""
+    _compat.refuse_lax_collectives_over(
+        RANKS, "jax.lax {name} over " + repr(RANKS) + " reached XLA, which would run it on "
+        "this process alone: the axis stands for the MPI ranks. It was bound without "
+        "mpicoll's routing (traced before mpicoll was imported?); import mpicoll first, or "
+        "use mpicoll's collectives (allreduce for psum, allgather for all_gather, sendrecv "
+        "for ppermute)")
+    return f"over {RANKS!r}"

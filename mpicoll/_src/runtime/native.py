@@ -146,9 +146,16 @@ PLATFORMS = tuple(extension.build_info()["platforms"])
 
 # jax.ffi's names for them (its examples register GPU handlers as "CUDA").
 _FFI_PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
-for _platform in PLATFORMS:
-    for _name, _capsule in extension.registrations(_platform).items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform=_FFI_PLATFORM_NAMES[_platform])
+
+
+def register_ffi_targets():
+    """Register the extension's handlers with XLA's FFI registry (an install step, install.py)."""
+    count = 0
+    for platform in PLATFORMS:
+        for name, capsule in extension.registrations(platform).items():
+            jax.ffi.register_ffi_target(name, capsule, platform=_FFI_PLATFORM_NAMES[platform])
+            count += 1
+    return f"{count} handlers for {', '.join(PLATFORMS)}"
 
 
 # --- GPU transport -------------------------------------------------------------

@@ -374,7 +374,7 @@ inline int SendWhole(const Call& c, const Chunk&) {
   if (outgoing.rc != MPI_SUCCESS) return outgoing.rc;
   c.status[0] = p.dest;
   c.status[1] = p.send_tag;
-  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
+  if (watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
     Header mine = HeaderFor(c, c.in_count);
     int rc = MPI_Send(&mine, sizeof(Header), MPI_BYTE, p.dest, p.send_tag, c.comm);
     if (rc != MPI_SUCCESS) return rc;
@@ -389,7 +389,7 @@ inline int ReceiveWhole(const Call& c, const Message* outgoing) {
   if (incoming.rc != MPI_SUCCESS) return incoming.rc;
   int source = p.source, tag = p.recv_tag;
   MPI_Status status;
-  if (check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
+  if (watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall) {
     // The header fixes the source and tag, so that the data that follows comes
     // from the same message pair even with ANY_SOURCE/ANY_TAG.
     const Header mine = HeaderFor(c, c.out_count), sent = HeaderFor(c, c.in_count);

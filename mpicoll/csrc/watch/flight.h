@@ -467,8 +467,11 @@ inline bool StopTrace(int world_rank, int world_size, const std::string& reason)
 // one for SIGUSR1 at MPI_Init (its launcher signals process failures with it),
 // and a dump is welcome then too.  A program that sets its own handler later
 // (signal.signal) replaces this one.
-inline std::atomic<bool> flight_dump_asked{false}, stacks_asked{false};
-inline struct sigaction previous_sigusr1 = {}, previous_sigusr2 = {};
+struct SignalRequests {
+  std::atomic<bool> flight_dump{false}, stacks{false};  // asked, not yet written
+  struct sigaction previous_sigusr1 = {}, previous_sigusr2 = {};  // chained to
+};
+inline SignalRequests signal_requests;
 
 inline void ChainTo(const struct sigaction& before, int signal, siginfo_t* info, void* context) {
   if (before.sa_flags & SA_SIGINFO) {
@@ -479,13 +482,13 @@ inline void ChainTo(const struct sigaction& before, int signal, siginfo_t* info,
 }
 
 inline void OnSigusr1(int signal, siginfo_t* info, void* context) {
-  flight_dump_asked.store(true);
-  ChainTo(previous_sigusr1, signal, info, context);
+  signal_requests.flight_dump.store(true);
+  ChainTo(signal_requests.previous_sigusr1, signal, info, context);
 }
 
 inline void OnSigusr2(int signal, siginfo_t* info, void* context) {
-  stacks_asked.store(true);
-  ChainTo(previous_sigusr2, signal, info, context);
+  signal_requests.stacks.store(true);
+  ChainTo(signal_requests.previous_sigusr2, signal, info, context);
 }
 
 inline void InstallSignalHandlers() {
@@ -493,9 +496,9 @@ inline void InstallSignalHandlers() {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART | SA_SIGINFO;
   action.sa_sigaction = OnSigusr1;
-  sigaction(SIGUSR1, &action, &previous_sigusr1);
+  sigaction(SIGUSR1, &action, &signal_requests.previous_sigusr1);
   action.sa_sigaction = OnSigusr2;
-  sigaction(SIGUSR2, &action, &previous_sigusr2);
+  sigaction(SIGUSR2, &action, &signal_requests.previous_sigusr2);
 }
 
 }  // namespace mpicoll

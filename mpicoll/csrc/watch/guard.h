@@ -48,7 +48,20 @@ namespace ffi = xla::ffi;
 // a new program around a call the ranks already agreed on does not check it
 // while the others skip it.
 enum CheckMode : int { kCheckOff = 0, kCheckFirstRun = 1, kCheckEveryCall = 2 };
-inline std::atomic<int> check_mode{kCheckFirstRun};
+
+// The watch's settings (MPICOLL_CHECK, MPICOLL_TIMEOUT, MPICOLL_STALL_REPORT),
+// set from Python (module.cc, module_watch.cc) and read by the devices and
+// the watchdog at any time.
+struct WatchSettings {
+  std::atomic<int> check_mode{kCheckFirstRun};
+  std::atomic<double> timeout_seconds{0.0};       // 0: none
+  std::atomic<double> stall_report_seconds{0.0};  // 0: none
+  // Test only (extension._pause_after_mismatch): seconds a rank waits after a
+  // comparison that found a mismatch, still in the checking phase, as a rank
+  // descheduled there would: the others finish theirs and move on first.
+  std::atomic<double> pause_after_mismatch{0.0};
+};
+inline WatchSettings watch_settings;
 
 inline uint64_t Fnv1a(const std::string& text, uint64_t hash = 1469598103934665603ull) {
   for (unsigned char ch : text) hash = (hash ^ ch) * 1099511628211ull;
@@ -103,7 +116,7 @@ struct CheckPlan {
 
 template <typename Describe>
 CheckPlan PlanCheck(const Call& c, int32_t device, Describe&& describe) {
-  const int mode = check_mode.load(std::memory_order_relaxed);
+  const int mode = watch_settings.check_mode.load(std::memory_order_relaxed);
   DeviceChecks& checks = device_checks[device];
   std::lock_guard<std::mutex> lock(checks.mutex);
   CheckPlan plan;
@@ -244,8 +257,6 @@ struct InFlight {
 // that never reaches it would otherwise hang the others outside any collective.
 constexpr int kSetupSlot = kMaxLocalDevices;
 inline InFlight in_flight[kMaxLocalDevices + 1];
-inline std::atomic<double> timeout_seconds{0.0};
-inline std::atomic<double> stall_report_seconds{0.0};
 
 inline const int64_t process_start_ns = NowNs();
 
@@ -367,7 +378,7 @@ struct InFlightScope {
 // mode its call site.
 inline uint64_t Fingerprint(const CheckPlan& plan, const InFlightScope& watched) {
   const uint64_t fingerprint = MixHash(plan.facts->hash, watched.sequence);
-  return check_mode.load(std::memory_order_relaxed) == kCheckEveryCall
+  return watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall
              ? MixHash(fingerprint, plan.site_hash) : fingerprint;
 }
 
@@ -375,17 +386,13 @@ inline uint64_t Fingerprint(const CheckPlan& plan, const InFlightScope& watched)
 inline std::string CheckedCallText(const Call& c, const CheckPlan& plan,
                                    const InFlightScope& watched) {
   std::string text = plan.facts->description + ", sequence " + std::to_string(watched.sequence);
-  const bool with_site = check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
+  const bool with_site = watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
   const std::string site = with_site && plan.site_hash ? SiteText(c.site) : std::string();
   return site.empty() ? text : text + ", called at " + site;
 }
 
-// Test only (extension._pause_after_mismatch): seconds this rank waits after a
-// comparison that found a mismatch, still in the checking phase, as a rank
-// descheduled there would: the others finish theirs and move on first.
-inline std::atomic<double> pause_after_mismatch{0.0};
 inline void PauseAfterMismatchForTests(const std::string& mismatch) {
-  const double seconds = pause_after_mismatch.load(std::memory_order_relaxed);
+  const double seconds = watch_settings.pause_after_mismatch.load(std::memory_order_relaxed);
   if (!mismatch.empty() && seconds > 0) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   }
@@ -418,15 +425,18 @@ inline ffi::Error CheckSameCall(const Call& c, int32_t device, const CheckPlan& 
 // complete before it returns, so the user's mpi4py calls never overlap them.
 // Any other thread of mpicoll's that calls MPI (a progress thread) must hold
 // it too.  Off (MULTIPLE): no lock, MPI does its own.
-inline std::mutex serialized_mpi_mutex;
-inline std::atomic<bool> serialize_mpi_calls{false};
+struct SerializedMpi {
+  std::mutex mutex;
+  std::atomic<bool> on{false};
+};
+inline SerializedMpi serialized_mpi;
 
-// Holds serialized_mpi_mutex for one scope when the mode is on.
+// Holds serialized_mpi.mutex for one scope when the mode is on.
 class SerializedMpiScope {
  public:
   SerializedMpiScope() {
-    if (serialize_mpi_calls.load(std::memory_order_relaxed)) {
-      lock_ = std::unique_lock<std::mutex>(serialized_mpi_mutex);
+    if (serialized_mpi.on.load(std::memory_order_relaxed)) {
+      lock_ = std::unique_lock<std::mutex>(serialized_mpi.mutex);
     }
   }
 

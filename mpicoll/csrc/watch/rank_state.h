@@ -145,7 +145,7 @@ inline CallState InFlightState(int device, int64_t now, int asker) {
   s.device = device;
   s.seconds = (now - f.started_ns.load(std::memory_order_acquire)) * 1e-9;
   Copy(s.comm, sizeof(s.comm),
-       serialize_mpi_calls.load() ? std::string("its communicator")
+       serialized_mpi.on.load() ? std::string("its communicator")
                                   : UserCommName(CommName(f.comm.load(std::memory_order_relaxed))));
   Copy(s.call, sizeof(s.call), facts ? facts->description : FallbackCall(f));
   Copy(s.site, sizeof(s.site), SiteText(f.site.load(std::memory_order_relaxed)));
@@ -275,7 +275,7 @@ inline void ServeStateRequests() {
              side_channel.load());
     if (purpose == kForReport) {
       const std::string why = "a stall report on rank " + std::to_string(source) + " asked";
-      DumpFlight(WorldRank(), world_size.load(), why);
+      DumpFlight(WorldRank(), comm_world.size.load(), why);
     }
   });
 }
@@ -292,8 +292,8 @@ class EndedRanks {
       RankState s = Unpack(bytes);
       if (s.head.ending == kAlive) return;
       std::lock_guard<std::mutex> lock(mutex_);
-      if (by_rank_.size() < static_cast<size_t>(world_size.load())) {
-        by_rank_.resize(world_size.load());
+      if (by_rank_.size() < static_cast<size_t>(comm_world.size.load())) {
+        by_rank_.resize(comm_world.size.load());
       }
       if (source >= 0 && source < static_cast<int>(by_rank_.size())) {
         by_rank_[source] = std::move(s);
@@ -331,7 +331,7 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
                                               double answer_within = kAnswerWithin) {
   static std::mutex asking;  // the watchdog, or a process about to exit (AnnounceEnd)
   std::lock_guard<std::mutex> one_at_a_time(asking);
-  const int size = world_size.load(), me = WorldRank();
+  const int size = comm_world.size.load(), me = WorldRank();
   std::vector<RankState> states(size);
   states[me] = OwnState(asked, /*all_comms=*/false, -1, StackFor(purpose));
   if (!SideChannelUp() || size == 1) return states;
@@ -355,8 +355,8 @@ inline std::vector<RankState> EveryRanksState(const std::vector<uint64_t>& asked
   }
   const int64_t deadline = NowNs() + static_cast<int64_t>(answer_within * 1e9);
   // Polls rather than blocks, so that it answers requests meanwhile and sees
-  // watchdog_stop: the process may be about to finalize MPI.
-  while (waiting_for > 0 && NowNs() < deadline && !watchdog_stop.load()) {
+  // watchdog.stop: the process may be about to finalize MPI.
+  while (waiting_for > 0 && NowNs() < deadline && !watchdog.stop.load()) {
     ServeStateRequests();
     int pending = 0;
     MPI_Message message;

@@ -300,7 +300,7 @@ inline std::string StallReport(const std::vector<RankState>& states, int me, boo
   for (int r = 0; r < me && !always; ++r) {
     const CallState* theirs = LongestWait(states[r]);
     if (states[r].Answered() && theirs &&
-        theirs->seconds >= 0.5 * stall_report_seconds.load()) {
+        theirs->seconds >= 0.5 * watch_settings.stall_report_seconds.load()) {
       return std::string();
     }
   }
@@ -323,7 +323,7 @@ inline std::string StallReport(const std::vector<RankState>& states, int me, boo
   for (int r : arrived) text += " " + std::to_string(r);
   text += "\n";
   if (!SideChannelUp() && states.size() > 1) {
-    text += serialize_mpi_calls.load()
+    text += serialized_mpi.on.load()
         ? "  (the other ranks cannot be asked: MPI_THREAD_SERIALIZED)\n"
         : "  (the other ranks cannot be asked yet: the watchdogs' side channel opens once "
           "every rank has imported mpicoll)\n";

@@ -27,9 +27,14 @@
 
 namespace mpicoll {
 inline std::atomic<MPI_Comm> side_channel{MPI_COMM_NULL};  // set once it is open
-// Python's exit handler sets stop before MPI is finalized and waits for
-// stopped: after it the watchdog makes no MPI call.
-inline std::atomic<bool> watchdog_stop{false}, watchdog_stopped{false};
+
+// The watchdog thread's life (watchdog.h): started once; Python's exit handler
+// sets stop before MPI is finalized and waits for stopped, after which the
+// watchdog makes no MPI call.
+struct WatchdogThread {
+  std::atomic<bool> started{false}, stop{false}, stopped{false};
+};
+inline WatchdogThread watchdog;
 
 constexpr int kStateRequestTag = 7301;
 constexpr int kStateReplyTag = 7302;
@@ -47,20 +52,26 @@ inline void Copy(char* into, size_t size, const std::string& text) {
 }
 
 // COMM_WORLD's rank and size, read once by the thread that starts the watchdog
-// (in the serialized mode the watchdog thread may not call MPI).
-inline std::atomic<int> world_rank{-1}, world_size{1};
-inline int WorldRank() { return world_rank.load(); }
+// (in the serialized mode the watchdog thread may not call MPI), and every
+// rank's host, gathered when the side channel opens (HostOf).
+struct CommWorld {
+  std::atomic<int> rank{-1}, size{1};
+  std::mutex hosts_mutex;
+  std::vector<std::string> hosts;  // by rank, under hosts_mutex
+};
+inline CommWorld comm_world;
+inline int WorldRank() { return comm_world.rank.load(); }
 
 inline void NoteWorld() {
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  world_rank.store(rank);
-  world_size.store(size);
+  comm_world.rank.store(rank);
+  comm_world.size.store(size);
 }
 
 inline bool SideChannelUp() {
-  return side_channel.load() != MPI_COMM_NULL && !serialize_mpi_calls.load();
+  return side_channel.load() != MPI_COMM_NULL && !serialized_mpi.on.load();
 }
 
 // ---------------------------------------------------------------------------
@@ -71,12 +82,10 @@ struct ProcessId {
   char host[64] = {};
   int64_t pid = 0;
 };
-inline std::mutex hosts_mutex;
-inline std::vector<std::string> world_hosts;
 
 inline std::string HostOf(int rank) {
-  std::lock_guard<std::mutex> lock(hosts_mutex);
-  return rank >= 0 && rank < static_cast<int>(world_hosts.size()) ? world_hosts[rank]
+  std::lock_guard<std::mutex> lock(comm_world.hosts_mutex);
+  return rank >= 0 && rank < static_cast<int>(comm_world.hosts.size()) ? comm_world.hosts[rank]
                                                                    : std::string("?");
 }
 
@@ -96,8 +105,8 @@ inline void SetWorldProcesses(const std::vector<ProcessId>& all) {
   std::vector<std::string> hosts;
   for (const ProcessId& p : all) hosts.emplace_back(p.host);
   {
-    std::lock_guard<std::mutex> lock(hosts_mutex);
-    world_hosts = std::move(hosts);
+    std::lock_guard<std::mutex> lock(comm_world.hosts_mutex);
+    comm_world.hosts = std::move(hosts);
   }
   if (!all.empty()) ChooseJobFlightDir(all[0].host, all[0].pid);
 }
@@ -117,7 +126,7 @@ class SideChannelOpening {
   enum Stage { kNone = 0, kDuplicating = 1, kGathering = 2, kOpen = 3 };
 
   void Begin() {
-    if (stage_.load() != kNone || serialize_mpi_calls.load()) return;
+    if (stage_.load() != kNone || serialized_mpi.on.load()) return;
     if (MPI_Comm_idup(MPI_COMM_WORLD, &channel_, &request_) == MPI_SUCCESS) {
       stage_.store(kDuplicating);
     }
@@ -134,7 +143,7 @@ class SideChannelOpening {
       MPI_Comm_set_name(channel_, "mpicoll:watchdog");
       MPI_Comm_set_errhandler(channel_, MPI_ERRORS_RETURN);
       mine_ = ThisProcess();
-      all_.assign(world_size.load(), ProcessId());
+      all_.assign(comm_world.size.load(), ProcessId());
       MPI_Iallgather(&mine_, sizeof(ProcessId), MPI_BYTE, all_.data(), sizeof(ProcessId),
                      MPI_BYTE, channel_, &request_);
       stage_.store(kGathering);
@@ -239,8 +248,8 @@ inline void SendToRanks(const std::vector<char>& bytes, int tag, const std::vect
 }
 
 inline void SendToEveryRank(const std::vector<char>& bytes, int tag, int wait_ms) {
-  std::vector<int> everyone(world_size.load());
-  for (int r = 0; r < world_size.load(); ++r) everyone[r] = r;
+  std::vector<int> everyone(comm_world.size.load());
+  for (int r = 0; r < comm_world.size.load(); ++r) everyone[r] = r;
   SendToRanks(bytes, tag, everyone, wait_ms);
 }
 
@@ -256,14 +265,14 @@ constexpr size_t kSentRecords = 200;
 constexpr int kCollectRecordsUpTo = 256;
 
 inline bool CollectingRecords() {
-  return world_size.load() <= kCollectRecordsUpTo && flight_capacity.load() > 0;
+  return comm_world.size.load() <= kCollectRecordsUpTo && flight_capacity.load() > 0;
 }
 
 // Sends this rank's records to `reporter`: its flight folder, then the records.
 inline void SendRecords(int reporter, const std::string& reason) {
   if (!CollectingRecords() || reporter == WorldRank()) return;
   const std::string dir = FolderOf(flight_dir);
-  const std::string json = RecordsJson(WorldRank(), world_size.load(), RecentDumpReason(reason),
+  const std::string json = RecordsJson(WorldRank(), comm_world.size.load(), RecentDumpReason(reason),
                                        Kept::kFlight, kSentRecords);
   std::vector<char> bytes(dir.begin(), dir.end());
   bytes.push_back('\0');

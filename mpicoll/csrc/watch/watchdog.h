@@ -38,7 +38,6 @@
 
 namespace mpicoll {
 
-inline std::atomic<bool> watchdog_started{false};
 
 // How long a report waits for the other ranks' flight records (GatherRecords):
 // their watchdogs take the notice within 50 ms; a rank that cannot answer
@@ -87,8 +86,8 @@ inline void TakeAbortNotices() {
                    "printed there)\n", WorldRank(), who);
       std::fflush(stderr);
       const std::string why = "aborted by rank " + std::to_string(who);
-      DumpFlight(WorldRank(), world_size.load(), why);
-      WriteTrace(WorldRank(), world_size.load(), why);
+      DumpFlight(WorldRank(), comm_world.size.load(), why);
+      WriteTrace(WorldRank(), comm_world.size.load(), why);
     }
   });
   // A rank that writes a report (a divergence, a stall, a timeout, the
@@ -96,7 +95,7 @@ inline void TakeAbortNotices() {
   // taken after the abort notices, which name the reason better.
   ReceiveEach(kDumpNoticeTag, [](int source, const std::vector<char>& bytes) {
     const std::string why = "rank " + std::to_string(IntOf(bytes)) + " wrote a report";
-    DumpFlight(WorldRank(), world_size.load(), why);
+    DumpFlight(WorldRank(), comm_world.size.load(), why);
     SendRecords(source, why);
   });
 }
@@ -113,13 +112,13 @@ inline int AnnounceAbort(int settle_ms) {
   aborts.this_rank.store(true);
   aborts.Note(me);
   if (!SideChannelUp()) {
-    DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
-    WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
+    DumpFlight(me, comm_world.size.load(), "an uncaught exception on this rank");
+    WriteTrace(me, comm_world.size.load(), "an uncaught exception on this rank");
     return me;
   }
   SendToEveryRank(IntBytes(me), kAbortNoticeTag, /*wait_ms=*/0);
-  DumpFlight(me, world_size.load(), "an uncaught exception on this rank");
-  WriteTrace(me, world_size.load(), "an uncaught exception on this rank");
+  DumpFlight(me, comm_world.size.load(), "an uncaught exception on this rank");
+  WriteTrace(me, comm_world.size.load(), "an uncaught exception on this rank");
   std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
   TakeAbortNotices();
   const int printing = aborts.printing.load();
@@ -134,7 +133,7 @@ inline int AnnounceAbort(int settle_ms) {
 inline void GatherRecords(double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
   std::vector<int> running;
-  for (int r = 0; r < world_size.load(); ++r) {
+  for (int r = 0; r < comm_world.size.load(); ++r) {
     if (r != WorldRank() && !ended_ranks.Has(r)) running.push_back(r);
   }
   SendToRanks(IntBytes(WorldRank()), kDumpNoticeTag, running, /*wait_ms=*/0);
@@ -144,7 +143,7 @@ inline void GatherRecords(double seconds) {
 // Writes this rank's flight records, with `why` (a report) as their reason,
 // gathers the other ranks' beside them, and says where, for the report.
 inline std::string FlightLine(int me, const std::string& why, bool gather = true) {
-  if (!DumpFlight(me, world_size.load(), why)) return std::string();
+  if (!DumpFlight(me, comm_world.size.load(), why)) return std::string();
   if (gather) GatherRecords(kGatherRecordsWithin);
   const std::string dir = FolderOf(flight_dir);
   return "  flight records: " + dir + "/rank*.json (python -m mpicoll flight " + dir + ")\n";
@@ -173,19 +172,19 @@ inline bool DeferToLowerRank(const std::vector<RankState>& states, const Verdict
     }
   }
   if (!lower_waits) return false;
-  for (int i = 0; i < 100 && !watchdog_stop.load(); ++i) {
+  for (int i = 0; i < 100 && !watchdog.stop.load(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     ServeStateRequests();
     TakeAbortNotices();  // the reporting rank asks for this rank's records
   }
-  return watchdog_stop.load();
+  return watchdog.stop.load();
 }
 
 [[noreturn]] inline void ReportDivergenceAndAbort(const std::vector<RankState>& states,
                                                   const Verdict& v) {
   const std::string report = DivergenceReport(states, v);
   std::fprintf(stderr, "%s%s", report.c_str(), FlightLine(WorldRank(), report).c_str());
-  WriteTrace(WorldRank(), world_size.load(), "a divergence");
+  WriteTrace(WorldRank(), comm_world.size.load(), "a divergence");
   AbortJob(3);
 }
 
@@ -204,10 +203,10 @@ inline void WriteStacksReport() {
 }
 
 inline void Watchdog() {
-  // Every return (the loop checks watchdog_stop at least every 50 ms, the
+  // Every return (the loop checks watchdog.stop at least every 50 ms, the
   // state requests every 2 ms) tells StopWatchdog that no MPI call follows.
   struct Stopped {
-    ~Stopped() { watchdog_stopped.store(true); }
+    ~Stopped() { watchdog.stopped.store(true); }
   } stopped;
   int64_t episode = 0;       // started_ns of the wait being reported on
   double next_report = 0;    // s into that wait
@@ -215,22 +214,22 @@ inline void Watchdog() {
   int64_t probed_ends = 0;   // ended_ranks.ChangedNs() at the last probe
   std::string last_verdict;  // a deadlock's key, to see it hold twice
   for (;;) {
-    const double limit = timeout_seconds.load(), stall = stall_report_seconds.load();
+    const double limit = watch_settings.timeout_seconds.load(), stall = watch_settings.stall_report_seconds.load();
     // Fast while the side channel opens: Open MPI's nonblocking duplicate
     // moves only when tested, a round per test (0.7 s at 50 ms ticks).
     const bool opening = side_channel_opening.Underway();
     std::this_thread::sleep_for(std::chrono::milliseconds(
         opening ? 1 : (limit > 0 && limit < 2) || (stall > 0 && stall < 2) ? 20 : 50));
-    if (watchdog_stop.load()) return;
+    if (watchdog.stop.load()) return;
     side_channel_opening.Step();
     ServeStateRequests();
     TakeAbortNotices();
     ended_ranks.TakeNotices();
-    if (flight_dump_asked.exchange(false)) {
-      DumpFlight(WorldRank(), world_size.load(), "SIGUSR1");
-      WriteTrace(WorldRank(), world_size.load(), "SIGUSR1");
+    if (signal_requests.flight_dump.exchange(false)) {
+      DumpFlight(WorldRank(), comm_world.size.load(), "SIGUSR1");
+      WriteTrace(WorldRank(), comm_world.size.load(), "SIGUSR1");
     }
-    if (stacks_asked.exchange(false)) WriteStacksReport();
+    if (signal_requests.stacks.exchange(false)) WriteStacksReport();
     const int64_t now = NowNs();
     int64_t earliest = 0;
     for (int d = 0; d <= kSetupSlot; ++d) {
@@ -246,7 +245,7 @@ inline void Watchdog() {
     // A wait that can never end: asked after kProbeAfter, then with back-off,
     // and at once when a rank has ended meanwhile.
     const int64_t ends = ended_ranks.ChangedNs();
-    if (SideChannelUp() && world_size.load() > 1 &&
+    if (SideChannelUp() && comm_world.size.load() > 1 &&
         (waited >= next_probe || (ends != probed_ends && waited >= 0.1))) {
       probed_ends = ends;
       if (waited >= next_probe) next_probe = std::max(2 * next_probe, waited + kProbeAfter);
@@ -255,7 +254,7 @@ inline void Watchdog() {
       for (const Membership& m : known) asked.push_back(m.hash);
       const std::vector<RankState> states =
           EveryRanksState(asked, kProbe, kProbeAnswerWithin);
-      if (watchdog_stop.load()) return;
+      if (watchdog.stop.load()) return;
       const Verdict v = FindDivergence(states, known);
       if (v.found && (v.certain || v.key == last_verdict)) {
         // A rank whose process exits writes the report itself; the launcher
@@ -270,24 +269,24 @@ inline void Watchdog() {
     const bool timed_out = limit > 0 && waited >= limit;
     if (!timed_out && !(stall > 0 && waited >= next_report)) continue;
     std::vector<RankState> states = EveryRanksState(WaitedComms(), kForReport);
-    if (watchdog_stop.load()) return;  // the wait ended and the process is exiting
+    if (watchdog.stop.load()) return;  // the wait ended and the process is exiting
     std::string report = StallReport(states, me, /*always=*/false);
     if (timed_out) {
       // One report for the job: the lowest stalled rank's.  The others give it
       // a moment to end the job, then end it themselves.  They answer its state
       // requests meanwhile: it is asking them for the report that ends the job.
       if (report.empty()) {
-        for (int i = 0; i < 100 && !watchdog_stop.load(); ++i) {
+        for (int i = 0; i < 100 && !watchdog.stop.load(); ++i) {
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
           ServeStateRequests();
         }
-        if (watchdog_stop.load()) return;
+        if (watchdog.stop.load()) return;
         report = StallReport(states, me, /*always=*/true);
       }
       const std::string line = TimeoutLine(me, limit, states[me]);
       std::fprintf(stderr, "%s%s%s", report.c_str(), FlightLine(me, report + line).c_str(),
                    line.c_str());
-      WriteTrace(me, world_size.load(), "MPICOLL_TIMEOUT");
+      WriteTrace(me, comm_world.size.load(), "MPICOLL_TIMEOUT");
       AbortJob(3);
     }
     if (!report.empty()) {
@@ -314,7 +313,7 @@ inline void AnnounceEnd(int ending, int code, const std::string& where) {
   // A rank that ends right after its import waits for the channel (the others
   // are on their way to it), but not forever: a rank that never imports mpicoll.
   side_channel_opening.Finish(/*seconds=*/5.0);
-  if (!SideChannelUp() || world_size.load() == 1) return;
+  if (!SideChannelUp() || comm_world.size.load() == 1) return;
   RankState mine = OwnState({}, /*all_comms=*/true);
   mine.head.ending = ending;
   mine.head.exit_code = code;
@@ -364,17 +363,17 @@ inline void AnnounceEnd(int ending, int code, const std::string& where) {
 
 // Before MPI is finalized (Python's exit): no more MPI calls from the watchdog.
 inline void StopWatchdog() {
-  if (!watchdog_started.load() || watchdog_stopped.load()) return;
-  watchdog_stop.store(true);
+  if (!watchdog.started.load() || watchdog.stopped.load()) return;
+  watchdog.stop.store(true);
   // The watchdog sees the flag within 50 ms, wherever it is; the bound is for
   // a thread stuck inside MPI itself (a broken MPI), which finalize may then meet.
-  for (int i = 0; i < 2000 && !watchdog_stopped.load(); ++i) {
+  for (int i = 0; i < 2000 && !watchdog.stopped.load(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
 inline void StartWatchdog() {
-  if (watchdog_started.exchange(true)) return;
+  if (watchdog.started.exchange(true)) return;
   NoteWorld();
   InstallSignalHandlers();
   std::thread(Watchdog).detach();

@@ -1,0 +1,111 @@
+"""What mpicoll changes in JAX, XLA and the process at import: one step each, in
+one declared order (mpicoll/_src/install.py), listed by `python -m mpicoll info`;
+no module makes such a change itself; mpicoll's own jax.lax calls never enter
+its router of jax.lax over RANKS."""
+
+import ast
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mpicoll
+from mpicoll import __main__ as command
+from mpicoll._src import install
+from mpicoll._src.ops import ranks_devices
+from mpicoll._src.over_ranks import lax as lax_over_ranks
+
+PACKAGE = Path(mpicoll.__file__).parent
+
+STEPS = ["xla-cpu-pool", "ffi-targets", "ordered-effect", "runtime-token-fast-path",
+         "serialized-dispatch", "dispatch-order", "lax-refused-over-ranks", "ranks-axis-size",
+         "lax-routed", "traceback-filter", "failure-handling"]
+
+# The calls that change JAX, XLA or the process (what install.py's steps make).
+CHANGING_CALLS = {"register_ordered_effect", "refuse_lax_collectives_over",
+                  "route_lax_collectives", "size_axis", "hide_frames_under",
+                  "install_runtime_token_fast_path", "complete_dispatches_with",
+                  "register_ffi_target", "size_xla_cpu_pool", "configure", "install", "_install",
+                  "set_dispatch_from_settings"}
+
+
+def test_every_change_at_import_is_one_step_applied_once_in_the_declared_order():
+    applied = install.installed()
+    assert [name for name, _, _ in applied] == STEPS
+    assert all(changes and outcome for _, changes, outcome in applied), applied
+    install.install()  # a second call changes nothing
+    assert install.installed() == applied
+    lines = command._install_lines()
+    listed = [line.split()[0] for line in lines[1:] if not line.lstrip().startswith("here:")]
+    assert listed == STEPS, lines
+    assert "ffi-targets" in lines[3] and "handlers for cpu" in lines[4], lines
+
+
+def _module_level_calls(tree):
+    """The names called by statements that run at import (not inside a def or class)."""
+    called = []
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Call):
+            function = node.func
+            called.append((getattr(function, "attr", None) or getattr(function, "id", None),
+                           node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for statement in tree.body:
+        visit(statement)
+    return called
+
+
+def test_no_module_changes_jax_at_import_outside_the_install_step():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name, line in _module_level_calls(ast.parse(path.read_text())):
+            if name in CHANGING_CALLS:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}()")
+    # the one call at import: mpicoll/__init__.py's
+    assert [f for f in found if "_install" not in f] == [], found
+    assert len(found) == 1 and found[0].startswith("mpicoll/__init__.py"), found
+
+
+@pytest.fixture
+def router_entries(monkeypatch):
+    """Every entry into the router of jax.lax over RANKS, counted."""
+    entries = []
+    axes = lax_over_ranks._axes
+
+    def counted(name, params):
+        entries.append(name)
+        return axes(name, params)
+
+    monkeypatch.setattr(lax_over_ranks, "_axes", counted)
+    return entries
+
+
+def _traced_over_a_device_axis(body):
+    mesh = mpicoll.mesh("d")
+    return jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P(mpicoll.RANKS, "d"),
+                                        out_specs=P(mpicoll.RANKS, "d")))(np.ones((1, 8), np.float32))
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allreduce-max", "allgather", "bcast"])
+def test_mpicolls_own_lax_calls_over_a_device_axis_never_enter_the_router(router_entries, collective):
+    calls = {
+        "allreduce": lambda x: mpicoll.allreduce(x, axis_name="d"),
+        "allreduce-max": lambda x: mpicoll.allreduce(x, op="max", axis_name="d"),
+        "allgather": lambda x: mpicoll.allgather(x, axis_name="d")[:1].reshape(x.shape),
+        "bcast": lambda x: mpicoll.bcast(x, root=0, axis_name="d"),
+    }
+    with ranks_devices.composed_on_cpu():  # the composition of lax over devices and MPI
+        jaxpr = _traced_over_a_device_axis(calls[collective])
+    assert router_entries == [], router_entries
+    assert "mpi" in str(jaxpr).lower(), jaxpr
+    # the user's own jax.lax over the same axis does enter it (the count is live)
+    _traced_over_a_device_axis(lambda x: jax.lax.psum(x, "d") + jnp.float32(0))
+    assert len(router_entries) == 1 and router_entries[0].startswith("psum"), router_entries
