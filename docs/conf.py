@@ -41,6 +41,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",  # a [source] link beside every API entry: where it is defined
     "mpicoll_docs",
 ]
 
