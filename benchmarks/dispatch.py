@@ -41,7 +41,7 @@ from jax._src import dispatch as _jax_dispatch
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll import _compat
+from mpicoll._src import _compat
 import timing
 
 WORLD = MPI.COMM_WORLD
