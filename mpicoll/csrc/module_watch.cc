@@ -34,7 +34,9 @@ PyObject* SetWatchdogSeconds(PyObject* arg, std::atomic<double>& threshold) {
   Py_RETURN_NONE;
 }
 
-PyObject* SetTimeout(PyObject*, PyObject* arg) { return SetWatchdogSeconds(arg, watch_settings.timeout_seconds); }
+PyObject* SetTimeout(PyObject*, PyObject* arg) {
+  return SetWatchdogSeconds(arg, watch_settings.timeout_seconds);
+}
 
 PyObject* SetStallReport(PyObject*, PyObject* arg) {
   return SetWatchdogSeconds(arg, watch_settings.stall_report_seconds);
@@ -162,16 +164,16 @@ PyObject* SetFlight(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Lss", &capacity, &dir, &root)) return nullptr;
   const long long most = static_cast<long long>(kChunkRecords * kMaxChunks);
   {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    flight_dir = dir;
+    std::lock_guard<std::mutex> lock(flight.mutex);
+    flight.flight_dir = dir;
     flight_root = dir[0] ? "" : root;
-    temp_dir = root;
+    flight.temp_dir = root;
   }
   if (!dir[0]) {
     const ProcessId me = ThisProcess();
     ChooseJobFlightDir(me.host, me.pid);
   }
-  flight_capacity.store(capacity < 0 ? 0 : std::min(capacity, most));
+  flight.capacity.store(capacity < 0 ? 0 : std::min(capacity, most));
   NoteWorld();
   if (capacity > 0) StartWatchdog();  // it writes the dumps SIGUSR1 asks for
   Py_RETURN_NONE;
@@ -186,9 +188,9 @@ PyObject* SetTrace(PyObject*, PyObject* args) {
   if (dir[0]) {
     StartTrace(dir, skip < 0 ? 0 : skip);
   } else {
-    tracing.store(false);
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    trace_dir.clear();
+    flight.tracing.store(false);
+    std::lock_guard<std::mutex> lock(flight.mutex);
+    flight.trace_dir.clear();
   }
   NoteWorld();
   Py_RETURN_NONE;
@@ -197,7 +199,7 @@ PyObject* SetTrace(PyObject*, PyObject* args) {
 PyObject* SetClockOffset(PyObject*, PyObject* arg) {
   const long long offset = PyLong_AsLongLong(arg);
   if (offset == -1 && PyErr_Occurred()) return nullptr;
-  clock_offset_ns.store(offset);
+  flight.clock_offset_ns.store(offset);
   Py_RETURN_NONE;
 }
 
@@ -225,8 +227,8 @@ PyObject* SetWorldProcessesPy(PyObject*, PyObject* arg) {
 
 // The flight records' folder now (it is chosen for the job when the ranks meet).
 PyObject* FlightDir(PyObject*, PyObject*) {
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
-  return PyUnicode_FromString(flight_dir.c_str());
+  std::lock_guard<std::mutex> lock(flight.mutex);
+  return PyUnicode_FromString(flight.flight_dir.c_str());
 }
 
 // write_trace(reason) / dump_flight(reason) -> whether a file was written.
@@ -256,7 +258,7 @@ PyObject* PyStopTrace(PyObject*, PyObject* arg) {
 
 PyObject* PyDumpFlight(PyObject*, PyObject* arg) {
   return WriteRecordsNow(arg, [](const std::string& why) {
-    last_flight_dump_ns.store(0);  // asked for: not rate-limited
+    flight.last_dump_ns.store(0);  // asked for: not rate-limited
     return DumpFlight(WorldRank(), comm_world.size.load(), why);
   });
 }

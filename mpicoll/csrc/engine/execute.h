@@ -96,7 +96,8 @@ bool ChecksWithData(const Call& c, const CheckPlan& plan) {
                 !std::is_same_v<std::decay_t<BeforeRun>, NothingBeforeRun>) {
     return false;
   } else {
-    return plan.check && watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall &&
+    return plan.check &&
+           watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall &&
            !c.device_buffers && c.in_count > 0 &&
            16 + c.in_count * c.elem_bytes <= CheckRecordBytes(c.size);
   }

@@ -106,35 +106,45 @@ struct DeviceLog {
   std::unordered_map<uint64_t, int64_t> site_calls;  // per site and communicator (trace_skip)
 };
 
-inline std::atomic<int64_t> flight_capacity{1000};  // records per device in the ring; 0 = off
-inline std::atomic<bool> tracing{false};             // keep every record (MPICOLL_TRACE)
-inline std::atomic<uint64_t> trace_generation{0};    // +1 at each start of a trace
-inline std::atomic<int64_t> trace_skip{0};           // each site's first N calls are not traced
-inline std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
-inline std::mutex flight_setup_mutex;                // allocation and the directories
-inline std::string flight_dir, trace_dir;
-inline std::string temp_dir;                          // the temporary directory (stacks reports)
+// The recorder's state: what it keeps (set from Python: MPICOLL_FLIGHT_RECORDS,
+// MPICOLL_TRACE), each device's log, and where it writes.  `mutex` guards the
+// folders and each device log's allocation.
+struct FlightRecorder {
+  std::atomic<int64_t> capacity{1000};        // records per device in the ring; 0 = off
+  std::atomic<bool> tracing{false};           // keep every record (MPICOLL_TRACE)
+  std::atomic<uint64_t> trace_generation{0};  // +1 at each start of a trace
+  std::atomic<int64_t> trace_skip{0};         // each site's first N calls are not traced
+  std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
+  std::atomic<int64_t> clock_offset_ns{0};    // rank 0's clock minus this one's (tracing)
+  std::mutex mutex;
+  std::string flight_dir, trace_dir;  // (mutex: read them with FolderOf)
+  std::string temp_dir;               // the temporary directory (stacks reports)
+  // The flight dump (the ring's last records), at most once per reason kind a
+  // second (DumpFlight): a stall's state requests from several ranks ask at once.
+  std::atomic<int64_t> last_dump_ns{0};
+  std::string last_dump_reason;  // the last dump's (mutex)
+};
+inline FlightRecorder flight;
 
 // A copy of one of the folders above, taken under their lock: the watchdog
 // reads them while Python sets them, or the side channel's opening names the
 // job's folder.
 inline std::string FolderOf(const std::string& folder) {
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  std::lock_guard<std::mutex> lock(flight.mutex);
   return folder;
 }
-inline std::atomic<int64_t> clock_offset_ns{0};      // rank 0's clock minus this one's (tracing)
 
-inline bool Recording() { return tracing.load(std::memory_order_relaxed) ||
-                                 flight_capacity.load(std::memory_order_relaxed) > 0; }
+inline bool Recording() { return flight.tracing.load(std::memory_order_relaxed) ||
+                                 flight.capacity.load(std::memory_order_relaxed) > 0; }
 
 inline DeviceLog* LogOf(int32_t device) {
-  DeviceLog* log = device_logs[device].load(std::memory_order_acquire);
+  DeviceLog* log = flight.device_logs[device].load(std::memory_order_acquire);
   if (log) return log;
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
-  log = device_logs[device].load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(flight.mutex);
+  log = flight.device_logs[device].load(std::memory_order_relaxed);
   if (!log) {
     log = new DeviceLog();  // kept for the process: the watchdog may read it at exit
-    device_logs[device].store(log, std::memory_order_release);
+    flight.device_logs[device].store(log, std::memory_order_release);
   }
   return log;
 }
@@ -159,15 +169,15 @@ inline FlightRecord* SlotAt(DeviceLog* log, uint64_t position) {
 // at its first call of a new trace it starts that trace's slots afresh (the
 // writer reads them once the generation matches).
 inline bool Traced(DeviceLog* log, int64_t site, const CommIdentity* comm) {
-  const uint64_t generation = trace_generation.load(std::memory_order_acquire);
+  const uint64_t generation = flight.trace_generation.load(std::memory_order_acquire);
   if (log->trace_generation.load(std::memory_order_relaxed) != generation) {
     log->trace_next.store(0, std::memory_order_relaxed);
-    log->trace_base.store(static_cast<uint64_t>(std::max<int64_t>(0, flight_capacity.load())),
+    log->trace_base.store(static_cast<uint64_t>(std::max<int64_t>(0, flight.capacity.load())),
                           std::memory_order_relaxed);
     log->site_calls.clear();
     log->trace_generation.store(generation, std::memory_order_release);
   }
-  const int64_t skip = trace_skip.load(std::memory_order_relaxed);
+  const int64_t skip = flight.trace_skip.load(std::memory_order_relaxed);
   if (skip <= 0) return true;
   const uint64_t key = static_cast<uint64_t>(site) * 0x9E3779B97F4A7C15ull ^
                        reinterpret_cast<uintptr_t>(comm);
@@ -181,13 +191,14 @@ inline FlightRecord* BeginRecord(int32_t device, const Call& c, const CommIdenti
   DeviceLog* log = LogOf(device);
   const uint64_t index = log->next.load(std::memory_order_relaxed);
   uint64_t position;
-  const bool traced = tracing.load(std::memory_order_relaxed) && Traced(log, c.site, comm);
+  const bool traced = flight.tracing.load(std::memory_order_relaxed) && Traced(log, c.site, comm);
   if (traced) {
     position = log->trace_base.load(std::memory_order_relaxed) +
                log->trace_next.load(std::memory_order_relaxed);
   } else {  // the ring: no division on this path
     const uint64_t capacity =
-        static_cast<uint64_t>(std::max<int64_t>(0, flight_capacity.load(std::memory_order_relaxed)));
+        static_cast<uint64_t>(
+            std::max<int64_t>(0, flight.capacity.load(std::memory_order_relaxed)));
     if (capacity == 0) return nullptr;  // a call the trace skips, and no ring
     position = log->ring_position;
     const uint64_t following = position + 1;
@@ -283,7 +294,7 @@ enum class Kept { kFlight, kTrace };
 // on this process's steady clock.
 inline std::string RecordsJson(int world_rank, int world_size, const std::string& reason,
                                Kept kept, size_t last = SIZE_MAX) {
-  const bool all = kept == Kept::kTrace || tracing.load();
+  const bool all = kept == Kept::kTrace || flight.tracing.load();
   const int64_t now = NowNs();
   // The reason may be a whole report: it is joined as a string, not formatted
   // into a fixed buffer.
@@ -291,8 +302,8 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
   std::snprintf(rest, sizeof(rest),
                 ", \"written_ns\": %lld, \"clock_offset_ns\": %lld, \"kept\": %s, "
                 "\"trace_skip\": %lld},\n\"traceEvents\": [\n",
-                static_cast<long long>(now), static_cast<long long>(clock_offset_ns.load()),
-                all ? "\"all\"" : "\"last\"", static_cast<long long>(trace_skip.load()));
+                static_cast<long long>(now), static_cast<long long>(flight.clock_offset_ns.load()),
+                all ? "\"all\"" : "\"last\"", static_cast<long long>(flight.trace_skip.load()));
   std::string out = "{\"displayTimeUnit\": \"ns\", \"otherData\": {\"mpicoll\": 1, \"rank\": " +
                     std::to_string(world_rank) + ", \"size\": " + std::to_string(world_size) +
                     ", \"host\": " + JsonString(HostName()) + ", \"reason\": " +
@@ -304,7 +315,7 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
                 world_rank, world_rank);
   out += meta;
   for (int d = 0; d < kMaxLocalDevices; ++d) {
-    DeviceLog* log = device_logs[d].load(std::memory_order_acquire);
+    DeviceLog* log = flight.device_logs[d].load(std::memory_order_acquire);
     if (!log) continue;
     std::snprintf(meta, sizeof(meta),
                   ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, "
@@ -326,7 +337,7 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
     };
     if (kept == Kept::kFlight) take(0, log->ring_used.load(std::memory_order_acquire));
     if (all && log->trace_generation.load(std::memory_order_acquire) ==
-                   trace_generation.load(std::memory_order_acquire)) {
+                   flight.trace_generation.load(std::memory_order_acquire)) {
       const uint64_t base = log->trace_base.load(std::memory_order_relaxed);
       take(base, base + log->trace_next.load(std::memory_order_acquire));
     }
@@ -410,18 +421,15 @@ inline bool WriteRecords(const std::string& dir, int world_rank, int world_size,
 
 // The flight dump (the ring's last records), at most once per `reason` kind a
 // second: a stall's state requests from several ranks ask at once.
-inline std::atomic<int64_t> last_flight_dump_ns{0};
-inline std::string last_flight_reason;  // the last dump's (flight_setup_mutex)
-
 inline bool DumpFlight(int world_rank, int world_size, const std::string& reason) {
-  const std::string dir = FolderOf(flight_dir);
-  if (flight_capacity.load() <= 0 || dir.empty()) return false;
-  const int64_t now = NowNs(), last = last_flight_dump_ns.load();
+  const std::string dir = FolderOf(flight.flight_dir);
+  if (flight.capacity.load() <= 0 || dir.empty()) return false;
+  const int64_t now = NowNs(), last = flight.last_dump_ns.load();
   if (last && now - last < 1000000000) return true;
-  last_flight_dump_ns.store(now);
+  flight.last_dump_ns.store(now);
   {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    last_flight_reason = reason;
+    std::lock_guard<std::mutex> lock(flight.mutex);
+    flight.last_dump_reason = reason;
   }
   return WriteRecords(dir, world_rank, world_size, reason, Kept::kFlight);
 }
@@ -429,14 +437,14 @@ inline bool DumpFlight(int world_rank, int world_size, const std::string& reason
 // The reason of a dump written in the last 2 s (a copy of the records sent
 // elsewhere says the same as the file here), else `fallback`.
 inline std::string RecentDumpReason(const std::string& fallback) {
-  if (NowNs() - last_flight_dump_ns.load() > 2000000000) return fallback;
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
-  return last_flight_reason.empty() ? fallback : last_flight_reason;
+  if (NowNs() - flight.last_dump_ns.load() > 2000000000) return fallback;
+  std::lock_guard<std::mutex> lock(flight.mutex);
+  return flight.last_dump_reason.empty() ? fallback : flight.last_dump_reason;
 }
 
 // The trace so far, to trace_dir ("" once it has stopped: nothing is written).
 inline bool WriteTrace(int world_rank, int world_size, const std::string& reason) {
-  const std::string dir = FolderOf(trace_dir);
+  const std::string dir = FolderOf(flight.trace_dir);
   if (dir.empty()) return false;
   return WriteRecords(dir, world_rank, world_size, reason, Kept::kTrace);
 }
@@ -444,20 +452,20 @@ inline bool WriteTrace(int world_rank, int world_size, const std::string& reason
 // Starts a trace to `dir`, each site's first `skip` calls per device left out.
 inline void StartTrace(const std::string& dir, int64_t skip) {
   {
-    std::lock_guard<std::mutex> lock(flight_setup_mutex);
-    trace_dir = dir;
+    std::lock_guard<std::mutex> lock(flight.mutex);
+    flight.trace_dir = dir;
   }
-  trace_skip.store(skip);
-  trace_generation.fetch_add(1, std::memory_order_acq_rel);
-  tracing.store(true);
+  flight.trace_skip.store(skip);
+  flight.trace_generation.fetch_add(1, std::memory_order_acq_rel);
+  flight.tracing.store(true);
 }
 
 // Stops the trace and writes it (false: there was none, or it cannot be written).
 inline bool StopTrace(int world_rank, int world_size, const std::string& reason) {
-  tracing.store(false);
+  flight.tracing.store(false);
   const bool written = WriteTrace(world_rank, world_size, reason);
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
-  trace_dir.clear();
+  std::lock_guard<std::mutex> lock(flight.mutex);
+  flight.trace_dir.clear();
   return written;
 }
 

@@ -386,7 +386,8 @@ inline uint64_t Fingerprint(const CheckPlan& plan, const InFlightScope& watched)
 inline std::string CheckedCallText(const Call& c, const CheckPlan& plan,
                                    const InFlightScope& watched) {
   std::string text = plan.facts->description + ", sequence " + std::to_string(watched.sequence);
-  const bool with_site = watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
+  const bool with_site =
+      watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
   const std::string site = with_site && plan.site_hash ? SiteText(c.site) : std::string();
   return site.empty() ? text : text + ", called at " + site;
 }

@@ -95,9 +95,9 @@ inline std::string HostOf(int rank) {
 inline std::string flight_root;  // "": MPICOLL_FLIGHT_DIR was set (flight_dir is it)
 
 inline void ChooseJobFlightDir(const std::string& host, int64_t pid) {
-  std::lock_guard<std::mutex> lock(flight_setup_mutex);
+  std::lock_guard<std::mutex> lock(flight.mutex);
   if (!flight_root.empty()) {
-    flight_dir = flight_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
+    flight.flight_dir = flight_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
   }
 }
 
@@ -265,15 +265,15 @@ constexpr size_t kSentRecords = 200;
 constexpr int kCollectRecordsUpTo = 256;
 
 inline bool CollectingRecords() {
-  return comm_world.size.load() <= kCollectRecordsUpTo && flight_capacity.load() > 0;
+  return comm_world.size.load() <= kCollectRecordsUpTo && flight.capacity.load() > 0;
 }
 
 // Sends this rank's records to `reporter`: its flight folder, then the records.
 inline void SendRecords(int reporter, const std::string& reason) {
   if (!CollectingRecords() || reporter == WorldRank()) return;
-  const std::string dir = FolderOf(flight_dir);
-  const std::string json = RecordsJson(WorldRank(), comm_world.size.load(), RecentDumpReason(reason),
-                                       Kept::kFlight, kSentRecords);
+  const std::string dir = FolderOf(flight.flight_dir);
+  const std::string json = RecordsJson(WorldRank(), comm_world.size.load(),
+                                       RecentDumpReason(reason), Kept::kFlight, kSentRecords);
   std::vector<char> bytes(dir.begin(), dir.end());
   bytes.push_back('\0');
   bytes.insert(bytes.end(), json.begin(), json.end());
@@ -285,7 +285,7 @@ inline void SendRecords(int reporter, const std::string& reason) {
 // copy is already there (the same folder on a shared or the same file system).
 inline void CollectRecords(std::vector<int> from, double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
-  const std::string dir = FolderOf(flight_dir);
+  const std::string dir = FolderOf(flight.flight_dir);
   const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
   while (!from.empty() && NowNs() < deadline) {
     bool any = false;

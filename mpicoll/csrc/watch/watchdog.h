@@ -145,7 +145,7 @@ inline void GatherRecords(double seconds) {
 inline std::string FlightLine(int me, const std::string& why, bool gather = true) {
   if (!DumpFlight(me, comm_world.size.load(), why)) return std::string();
   if (gather) GatherRecords(kGatherRecordsWithin);
-  const std::string dir = FolderOf(flight_dir);
+  const std::string dir = FolderOf(flight.flight_dir);
   return "  flight records: " + dir + "/rank*.json (python -m mpicoll flight " + dir + ")\n";
 }
 
@@ -198,7 +198,7 @@ inline void WriteStacksReport() {
   for (size_t r = 0; r < states.size(); ++r) text += RankLine(static_cast<int>(r), states[r], {});
   std::fprintf(stderr, "%s", text.c_str());
   std::fflush(stderr);
-  const std::string dir = FolderOf(temp_dir);
+  const std::string dir = FolderOf(flight.temp_dir);
   WriteFileAtomically(dir, "mpicoll-stacks-" + std::to_string(getpid()) + ".txt", text);
 }
 
@@ -214,7 +214,8 @@ inline void Watchdog() {
   int64_t probed_ends = 0;   // ended_ranks.ChangedNs() at the last probe
   std::string last_verdict;  // a deadlock's key, to see it hold twice
   for (;;) {
-    const double limit = watch_settings.timeout_seconds.load(), stall = watch_settings.stall_report_seconds.load();
+    const double limit = watch_settings.timeout_seconds.load();
+    const double stall = watch_settings.stall_report_seconds.load();
     // Fast while the side channel opens: Open MPI's nonblocking duplicate
     // moves only when tested, a round per test (0.7 s at 50 ms ticks).
     const bool opening = side_channel_opening.Underway();
