@@ -8,6 +8,7 @@ are mpicoll, mpicoll.mpi4jax, mpicoll.distributed and mpicoll.topology.
   observe/     failures, stalls, the flight recorder, the timeline, stacks
   _compat/     every private JAX API mpicoll uses
   survive.py   surviving a lost rank (ULFM)
+  install.py   every change to JAX, XLA and the process at import, in order
 """
 
 import os

@@ -39,20 +39,19 @@ class Step:
 
 def _steps():
     # Imported here, not at the top: install() runs once every module is loaded.
-    from . import _compat
+    from . import PACKAGE_DIR, _compat
     from .observe import failures
     from .over_ranks import lax as lax_over_ranks
     from .primitive import define, device_order, varying
     from .runtime import native, settings
-    from .. import __path__ as package_path
 
     def ordered_effect():
         _compat.register_ordered_effect(define.MPIEffect)
         return "MPIEffect"
 
     def traceback_filter():
-        _compat.hide_frames_under(package_path[0])
-        return f"frames under {package_path[0]}"
+        _compat.hide_frames_under(PACKAGE_DIR)
+        return f"frames under {PACKAGE_DIR}"
 
     return (
         Step("xla-cpu-pool", "PJRT_NPROC: XLA's CPU pool at two threads per local device "
