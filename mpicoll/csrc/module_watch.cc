@@ -95,9 +95,9 @@ PyObject* DescribeSite(PyObject*, PyObject* args) {
   const char* text;
   int compared = 1;
   if (!PyArg_ParseTuple(args, "Ls|p", &site, &text, &compared)) return nullptr;
-  std::lock_guard<std::mutex> lock(site_mutex);
-  site_descriptions[site] = text;
-  if (!compared) uncompared_sites.insert(site);
+  std::lock_guard<std::mutex> lock(call_sites.mutex);
+  call_sites.descriptions[site] = text;
+  if (!compared) call_sites.uncompared.insert(site);
   Py_RETURN_NONE;
 }
 
@@ -130,9 +130,10 @@ PyObject* WatchPythonThreads(PyObject*, PyObject* args) {
   unsigned long main_thread;
   const char* package_dir;
   if (!PyArg_ParseTuple(args, "ks", &main_thread, &package_dir)) return nullptr;
-  if (mpicoll_package_dir.empty()) mpicoll_package_dir = package_dir;  // before the watchdog reads it
-  python_main_thread.store(main_thread);
-  python_interpreter.store(PyInterpreterState_Get());
+  // set once, before the watchdog reads it
+  if (watched_python.package_dir.empty()) watched_python.package_dir = package_dir;
+  watched_python.main_thread.store(main_thread);
+  watched_python.interpreter.store(PyInterpreterState_Get());
   Py_RETURN_NONE;
 }
 
@@ -283,11 +284,11 @@ PyObject* BeginSetup(PyObject*, PyObject* args) {
   InFlight& slot = in_flight[kSetupSlot];
   slot.started_ns.store(0);
   {
-    std::lock_guard<std::mutex> lock(setup_mutex);
-    setup_call = call;
-    setup_comm = name;
+    std::lock_guard<std::mutex> lock(comm_setup.mutex);
+    comm_setup.call = call;
+    comm_setup.comm = name;
     // Device 0's duplicate's identity (comm.py names it so).
-    setup_identity = CommIdentity{std::string("mpicoll:") + name + ":device0", members};
+    comm_setup.identity = CommIdentity{std::string("mpicoll:") + name + ":device0", members};
   }
   slot.name.store("communicator setup");
   slot.started_ns.store(NowNs());

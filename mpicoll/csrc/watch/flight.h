@@ -261,19 +261,22 @@ inline std::string JsonString(const std::string& text) {
 }
 
 // Call sites as the user's source lines (set from Python when a call is lowered).
-inline std::mutex site_mutex;
-inline std::map<int64_t, std::string> site_descriptions;  // site -> "file:line (function)"
-inline std::set<int64_t> uncompared_sites;                // eager calls' (module_watch.cc)
+struct CallSites {
+  std::mutex mutex;
+  std::map<int64_t, std::string> descriptions;  // site -> "file:line (function)"
+  std::set<int64_t> uncompared;                 // eager calls' (module_watch.cc)
+};
+inline CallSites call_sites;
 
 inline bool SiteCompared(int64_t site) {
-  std::lock_guard<std::mutex> lock(site_mutex);
-  return uncompared_sites.count(site) == 0;
+  std::lock_guard<std::mutex> lock(call_sites.mutex);
+  return call_sites.uncompared.count(site) == 0;
 }
 
 inline std::string SiteText(int64_t site) {
-  std::lock_guard<std::mutex> lock(site_mutex);
-  auto found = site_descriptions.find(site);
-  return found == site_descriptions.end() ? std::string() : found->second;
+  std::lock_guard<std::mutex> lock(call_sites.mutex);
+  auto found = call_sites.descriptions.find(site);
+  return found == call_sites.descriptions.end() ? std::string() : found->second;
 }
 
 inline std::string& HostName() {

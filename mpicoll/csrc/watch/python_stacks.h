@@ -30,9 +30,12 @@ namespace mpicoll {
 
 // Set at import, with the GIL (module_watch.cc): the interpreter, and the main
 // thread's identifier as faulthandler prints it (threading.main_thread().ident).
-inline std::atomic<void*> python_interpreter{nullptr};
-inline std::atomic<unsigned long> python_main_thread{0};
-inline std::string mpicoll_package_dir;  // "/.../mpicoll/": its frames are left out (set once)
+struct WatchedPython {
+  std::atomic<void*> interpreter{nullptr};
+  std::atomic<unsigned long> main_thread{0};
+  std::string package_dir;  // "/.../mpicoll/": its frames are left out (set once)
+};
+inline WatchedPython watched_python;
 
 constexpr int kMainThreadFrames = 4;    // innermost frames shown for the main thread
 constexpr int kOtherThreadFrames = 2;   // and for each other thread inside JAX
@@ -113,8 +116,8 @@ inline std::string ShortPath(const std::string& file) {
 }
 
 inline bool InsideMpicoll(const PythonFrame& f) {
-  return !mpicoll_package_dir.empty() &&
-         f.file.compare(0, mpicoll_package_dir.size(), mpicoll_package_dir) == 0;
+  return !watched_python.package_dir.empty() &&
+         f.file.compare(0, watched_python.package_dir.size(), watched_python.package_dir) == 0;
 }
 
 inline bool InsideJax(const PythonFrame& f) {
@@ -167,7 +170,7 @@ inline std::string DumpPythonThreads(std::string* why_not) {
   using DumpThreads = const char* (*)(int, void*, void*);
   static const DumpThreads dump =
       reinterpret_cast<DumpThreads>(dlsym(RTLD_DEFAULT, "_Py_DumpTracebackThreads"));
-  void* interpreter = python_interpreter.load();
+  void* interpreter = watched_python.interpreter.load();
   if (!dump || !interpreter) {
     *why_not = dump ? "not set up" : "this Python does not export _Py_DumpTracebackThreads";
     return std::string();
@@ -198,7 +201,7 @@ inline std::string PythonStacks() {
            ")\n";
   }
   std::string text;
-  const unsigned long main_ident = python_main_thread.load();
+  const unsigned long main_ident = watched_python.main_thread.load();
   int others = 0;
   for (const PythonThread& thread : threads) {
     if (thread.ident == main_ident) {

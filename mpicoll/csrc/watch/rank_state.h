@@ -94,9 +94,12 @@ inline std::string UserCommName(std::string name) {
 // The communicator setup Python does at a communicator's first use (comm.py):
 // the collective the program called, and the identity device 0's duplicate
 // will have, so that the other ranks' states can be held against it.
-inline std::mutex setup_mutex;
-inline std::string setup_call, setup_comm;
-inline CommIdentity setup_identity;
+struct CommSetup {
+  std::mutex mutex;
+  std::string call, comm;  // the collective called, the communicator's name
+  CommIdentity identity;
+};
+inline CommSetup comm_setup;
 
 inline bool IsMember(const CommIdentity* identity, int rank) {
   if (!identity || rank < 0) return false;
@@ -111,17 +114,17 @@ inline bool IsMember(const CommIdentity* identity, int rank) {
 }
 
 inline CallState SetupState(int64_t now, int asker) {
-  std::lock_guard<std::mutex> lock(setup_mutex);
+  std::lock_guard<std::mutex> lock(comm_setup.mutex);
   CallState s;
-  s.asker_is_member = IsMember(&setup_identity, asker);
-  s.comm_hash = CommHash(&setup_identity);
+  s.asker_is_member = IsMember(&comm_setup.identity, asker);
+  s.comm_hash = CommHash(&comm_setup.identity);
   s.sequence = 1;
-  s.call_hash = Fnv1a(setup_call);
+  s.call_hash = Fnv1a(comm_setup.call);
   s.phase = kPhaseSetup;
   s.device = 0;
   s.seconds = (now - in_flight[kSetupSlot].started_ns.load()) * 1e-9;
-  Copy(s.comm, sizeof(s.comm), setup_comm);
-  Copy(s.call, sizeof(s.call), setup_call);
+  Copy(s.comm, sizeof(s.comm), comm_setup.comm);
+  Copy(s.call, sizeof(s.call), comm_setup.call);
   return s;
 }
 

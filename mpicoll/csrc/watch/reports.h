@@ -151,8 +151,8 @@ inline std::vector<Membership> WaitedMemberships() {
     if (identity) known.push_back({CommHash(identity), ParseMembers(identity->members)});
   }
   if (in_flight[kSetupSlot].started_ns.load(std::memory_order_acquire) != 0) {
-    std::lock_guard<std::mutex> lock(setup_mutex);
-    known.push_back({CommHash(&setup_identity), ParseMembers(setup_identity.members)});
+    std::lock_guard<std::mutex> lock(comm_setup.mutex);
+    known.push_back({CommHash(&comm_setup.identity), ParseMembers(comm_setup.identity.members)});
   }
   return known;
 }
