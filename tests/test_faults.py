@@ -114,6 +114,33 @@ def test_exception_on_one_rank_aborts_the_job(form):
     assert "returned (it must not)" not in run.log, run.summary()
 
 
+# An MPI_Abort that never returns and never ends the job (as Open MPI 4.1's once did in
+# CI, waiting for its launcher): LD_PRELOAD puts this one before the MPI library's.
+_HANGING_ABORT = """
+#include <unistd.h>
+int MPI_Abort(void* comm, int code) { (void)comm; (void)code; for (;;) pause(); }
+"""
+
+
+@serial_only
+@pytest.mark.slow  # 15 s, most of it the 10 s backstop: CI's first variant runs it
+def test_a_rank_whose_mpi_abort_hangs_ends_itself(tmp_path):
+    source = tmp_path / "hanging_abort.c"
+    source.write_text(_HANGING_ABORT)
+    shim = tmp_path / "hanging_abort.so"
+    import subprocess
+    built = subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(source)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    run = launch(PROGRAM, "raise", env={"LD_PRELOAD": str(shim)})
+    # The backstop (csrc/watch/guard.h, AbortJob): 10 s after the abort began.
+    took = assert_job_ended_fast(run, (1, "raise"), within=10 + FAIL_FAST)
+    assert took > 9, f"ended {took:.1f} s after the failure: MPI_Abort did not hang?\n" \
+        + run.summary()
+    assert "MPI_Abort did not end this process in 10 s: it exits" in run.stderr, run.summary()
+    assert "RuntimeError: deliberate failure on rank 1" in run.stderr, run.summary()
+
+
 @serial_only
 def test_exception_in_a_thread_aborts_the_job():
     run = launch(PROGRAM, "raise-in-thread")
