@@ -317,7 +317,8 @@ def _duplicate_local_ranks(reports):
 
 
 def _install_lines():
-    """What mpicoll changed in JAX, XLA and the process at import, in order (the same on every rank)."""
+    """What mpicoll changed in JAX, XLA and the process at import, in order (the same
+    on every rank)."""
     from ._src.install import installed
     steps = installed()
     width = max(len(name) for name, _, _ in steps)

@@ -90,12 +90,14 @@ def router_entries(monkeypatch):
 
 def _traced_over_a_device_axis(body):
     mesh = mpicoll.mesh("d")
-    return jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P(mpicoll.RANKS, "d"),
-                                        out_specs=P(mpicoll.RANKS, "d")))(np.ones((1, 8), np.float32))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P(mpicoll.RANKS, "d"),
+                           out_specs=P(mpicoll.RANKS, "d"))
+    return jax.make_jaxpr(mapped)(np.ones((1, 8), np.float32))
 
 
 @pytest.mark.parametrize("collective", ["allreduce", "allreduce-max", "allgather", "bcast"])
-def test_mpicolls_own_lax_calls_over_a_device_axis_never_enter_the_router(router_entries, collective):
+def test_mpicolls_own_lax_calls_over_a_device_axis_never_enter_the_router(router_entries,
+                                                                           collective):
     calls = {
         "allreduce": lambda x: mpicoll.allreduce(x, axis_name="d"),
         "allreduce-max": lambda x: mpicoll.allreduce(x, op="max", axis_name="d"),

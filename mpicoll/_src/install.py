@@ -55,7 +55,8 @@ def _steps():
 
     return (
         Step("xla-cpu-pool", "PJRT_NPROC: XLA's CPU pool at two threads per local device "
-             "where the cores are fewer", lambda: device_order.size_xla_cpu_pool(warn_if_late=True)),
+             "where the cores are fewer",
+             lambda: device_order.size_xla_cpu_pool(warn_if_late=True)),
         Step("ffi-targets", "XLA's FFI registry: mpicoll's handlers",
              native.register_ffi_targets),
         Step("ordered-effect", "JAX's ordered effects: mpicoll's, so each rank issues its "

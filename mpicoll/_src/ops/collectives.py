@@ -34,12 +34,12 @@ _SUM = dtypes.SUM
 _OP_NAMES = dtypes.OP_NAMES
 
 
-def _reduction_tangent(spec, x, y, t, params):
-    """reduction_tangent for reduce and allreduce (`spec`) across the ranks."""
+def _reduction_tangent(reduction, x, y, t, params):
+    """reduction_tangent for REDUCE or ALLREDUCE (`reduction`) across the ranks."""
     return reduction_tangent(
-        spec.name, _OP_NAMES[params["op"]], x,
-        lambda: y if spec is ALLREDUCE else ALLREDUCE.run(x, params), t,
-        lambda v: spec.run(v, params, op=_SUM), lambda: ALLGATHER.run(x, params, op=-1),
+        reduction.name, _OP_NAMES[params["op"]], x,
+        lambda: y if reduction is ALLREDUCE else ALLREDUCE.run(x, params), t,
+        lambda v: reduction.run(v, params, op=_SUM), lambda: ALLGATHER.run(x, params, op=-1),
         lambda: _rank(params))
 
 

@@ -179,7 +179,8 @@ def _composed_allreduce(x, op, comm, axis_name):
     flat = x.reshape(-1)
     padded = -flat.size % local
     flat = jnp.pad(flat, (0, padded))
-    mine = unrouted_lax.psum_scatter(flat, axis_name, tiled=True)  # this device's 1/L, summed locally
+    # this device's 1/L, summed locally
+    mine = unrouted_lax.psum_scatter(flat, axis_name, tiled=True)
     mine = per_rank(mine)  # every device allreduces its own part across ranks, in parallel
     gather = _compat.all_gather_invariant if vma else unrouted_lax.all_gather
     full = gather(mine, axis_name, tiled=True)

@@ -216,7 +216,8 @@ def _all_gather(x, who, *, all_gather_dimension, tiled, invariant):
             else ((who.local_axis,), ()))  # ranks x a local axis: rank * L + device
         rows = who.axes_order(who.meet(x, "allgather", invariant=typed))
     else:
-        rows = bind(collectives.ALLGATHER, x, comm=who.comm, transpose_sums=is_varying)  # (ranks, *s)
+        # (ranks, *s)
+        rows = bind(collectives.ALLGATHER, x, comm=who.comm, transpose_sums=is_varying)
     if who.layout == RANKS_X_AXIS and not who.meets():
         gather = unrouted_lax.all_gather if is_varying else _compat.all_gather_invariant
         rows = gather(rows, who.local_axis)  # (L, ranks, *s)
