@@ -19,13 +19,12 @@ if not _OFFLINE:
     from ._src.ops.collectives import (
         allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
         scan, scatter)
-    from ._src.primitive.varying import RANKS, autodiff_mode, mesh, set_autodiff
-    from ._src.primitive.device_order import dispatch_mode, set_dispatch
+    from ._src.ops.typed_ranks import RANKS, autodiff_mode, mesh, set_autodiff
+    from ._src.ops.scheduling import dispatch_mode, overlap, set_dispatch
     from ._src.ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
     from ._src.ops.vector import allgatherv, alltoallv, gatherv, scatterv
     from ._src.runtime.comm import default_comm
     from . import topology  # noqa: F401 (mpicoll.topology, a public module)
-    from ._src.primitive.overlap import overlap
     from ._src.observe.failures import (
         check_mode, clear_error, set_check_mode, set_stall_report, set_timeout)
     from ._src.runtime.settings import override as override_settings

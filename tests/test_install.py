@@ -29,7 +29,7 @@ CHANGING_CALLS = {"register_ordered_effect", "refuse_lax_collectives_over",
                   "route_lax_collectives", "size_axis", "hide_frames_under",
                   "install_runtime_token_fast_path", "complete_dispatches_with",
                   "register_ffi_target", "size_xla_cpu_pool", "configure", "install", "_install",
-                  "set_dispatch_from_settings"}
+                  "use_mode", "use_autodiff"}
 
 
 def test_every_change_at_import_is_one_step_applied_once_in_the_declared_order():

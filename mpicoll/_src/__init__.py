@@ -3,7 +3,8 @@ are mpicoll, mpicoll.mpi4jax, mpicoll.distributed and mpicoll.topology.
 
   runtime/     the extension, MPI and its communicators, dtypes, settings
   primitive/   the machinery that makes a collective a JAX primitive
-  ops/         the collectives: their specs and public functions
+  ops/         the public functions: the collectives (each spec beside its functions),
+               the typed ranks' mesh and autodiff mode, overlap and dispatch order
   over_ranks/  jax.lax collectives over the ranks, global meshes, multihost_utils
   observe/     failures, stalls, the flight recorder, the timeline, stacks
   _compat/     every private JAX API mpicoll uses

@@ -46,7 +46,6 @@ def start_trace(directory, skip=0):
             state = train_step(state)
         mpicoll.stop_trace()
     """
-    global _directory, _from
     if _directory is not None:
         raise RuntimeError(f"mpicoll.start_trace: a trace to {_directory} runs already "
                            f"({_from}); stop it first with mpicoll.stop_trace()")

@@ -26,8 +26,8 @@ from mpi4py import MPI
 
 from .. import _compat
 from ..runtime import dtypes
-from ..primitive import overlap, sharded, validate
-from ..primitive.dispatch import bind, on_each_device, per_device_overlap
+from ..primitive import sharded, validate
+from ..primitive.dispatch import bind, on_each_device, overlapping, per_device_overlap
 from ..primitive.define import define, effectful_primitive, mpi_effect, ordered_ffi_call
 from ..primitive.spec import Collective
 
@@ -232,7 +232,7 @@ def send(x, dest, tag=0, *, comm=None):
 def _per_device(function, *args, **kwargs):
     """function(*args) on one device's shard, on its progress thread where on CPU
     (primitive/sharded.py says why)."""
-    with overlap.overlap(per_device_overlap()):
+    with overlapping(per_device_overlap()):
         return function(*args, **kwargs)
 
 

@@ -1,6 +1,7 @@
-"""Making a collective a JAX primitive: what a collective is (spec.py), the one
-mechanism that defines its primitives (define.py), their typing over the ranks
-(varying.py), argument checks (validate.py), binding and eager calls
-(dispatch.py), how programs are ordered (device_order.py) and overlapped calls
-(overlap.py).
+"""Making a collective a JAX primitive, machinery only: what a collective is
+(spec.py), the one mechanism that defines its primitives (define.py), their
+typing over the ranks (varying.py), argument checks (validate.py), binding,
+eager and overlapped calls (dispatch.py), arrays over several local devices
+(sharded.py) and how programs are ordered (device_order.py).  The public
+choices these read are set in ops/ (typed_ranks.py, scheduling.py).
 """

@@ -9,7 +9,7 @@ program on GPU and the serialized mode use.  The serialized mode needs each
 dispatch to wait for its program, which only the runtime tokens let mpicoll do,
 so it keeps "tokens".  Where JAX's internals are not as expected the hooks
 (_compat.dispatch_hooks) are not installed and "tokens" is the only mode
-(dispatch_mode() says so).
+(mpicoll.dispatch_mode() says so; the choice is ops/scheduling.py's).
 """
 
 import functools
@@ -345,84 +345,40 @@ DEVICE_ORDER_AVAILABLE = False  # whether install_device_order could install its
 
 def install_device_order():
     """An install step (install.py): the device-order hooks where JAX allows them,
-    then the dispatch mode of the settings."""
+    then the dispatch mode of the settings: MPICOLL_DISPATCH, or (default)
+    device-order where it is available, else tokens."""
     global DEVICE_ORDER_AVAILABLE
     DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _policy.install()
-    set_dispatch_from_settings(settings.current())
+    wanted = settings.current().dispatch
+    if wanted == "default":
+        wanted = "device-order" if DEVICE_ORDER_AVAILABLE else "tokens"
+    refuse_unavailable(wanted, "MPICOLL_DISPATCH")
+    use_mode(wanted)
     return (f"hooks {'installed' if DEVICE_ORDER_AVAILABLE else 'not installed'}; "
-            f"mode {dispatch_mode()}")
+            f"mode {current_mode()}")
 
 
-def set_dispatch(mode):
-    """Choose how programs traced from now on are ordered after the previous ones.
-
-    Every rank issues its MPI calls in program order in both modes; they differ
-    in how a program waits for the one before it, and so in what a dispatch
-    costs (docs/design.md, "Dispatch").
-
-    Args:
-        mode: "device-order" (the default where available; MPICOLL_DISPATCH
-            sets the initial mode): a CPU program carries no runtime token,
-            JAX dispatches it on its C++ fast path and XLA's execution queues
-            order it: single-device programs or multi-device ones (pmap,
-            shard_map), whichever kind is lowered first in the process (the
-            other kind keeps runtime tokens and is fenced; multi-device
-            programs only where XLA's pool has two threads per local device:
-            the cores, or PJRT_NPROC).  "tokens": every program with a collective
-            takes and returns JAX's runtime token (JAX's Python dispatch path,
-            about 180 us per call), as GPU programs and the serialized thread
-            mode always do.
-    Returns:
-        The previous mode, "device-order" or "tokens".
-    Raises:
-        ValueError: for another mode, or for "device-order" where it is not
-            available (at MPI_THREAD_SERIALIZED, or with a JAX whose internals
-            mpicoll does not recognize).
-    Note:
-        A compiled program keeps the mode it was lowered with.  An MPI error
-        raised while a device-order program is dispatched from JAX's cache
-        comes as ValueError (jit's C++ fast path converts it, jax-ml/jax#34083)
-        rather than jax.errors.JaxRuntimeError, with the same message; eager
-        calls raise JaxRuntimeError either way.
-
-    Example::
-
-        previous = mpicoll.set_dispatch("tokens")   # for the programs traced from here
-        step = jax.jit(train_step)
-        mpicoll.set_dispatch(previous)
-    """
+def refuse_unavailable(mode, who):
+    """ValueError where mode is not one of DISPATCH_MODES this process can use."""
     if mode not in DISPATCH_MODES:
-        raise ValueError(f"mpicoll.set_dispatch: mode must be one of {DISPATCH_MODES}, "
-                         f"got {mode!r}")
+        raise ValueError(f"{who}: mode must be one of {DISPATCH_MODES}, got {mode!r}")
     if mode == "device-order" and not DEVICE_ORDER_AVAILABLE:
         raise ValueError(
-            "mpicoll.set_dispatch: 'device-order' is not available "
+            f"{who}: 'device-order' is not available "
             + ("at MPI_THREAD_SERIALIZED, where each dispatch waits for its program"
                if native.SERIALIZED else
                f"with this JAX ({jax.__version__}), whose internals mpicoll does not "
                "recognize; programs keep JAX's runtime tokens"))
-    previous = dispatch_mode()
+
+
+def use_mode(mode):
+    """Order the programs traced from now on by mode (mpicoll.set_dispatch)."""
     _policy.active = mode == "device-order"
-    return previous
 
 
-def dispatch_mode():
-    """The current dispatch mode, for programs traced from now on (see set_dispatch).
-
-    Returns:
-        "device-order" (the default on CPU where JAX allows it) or "tokens".
-
-    Example::
-
-        print(mpicoll.dispatch_mode())       # "device-order"; python -m mpicoll info says it too
-    """
+def current_mode():
+    """"device-order" or "tokens", for the programs traced from now on."""
     return "device-order" if _policy.active else "tokens"
-
-
-def set_dispatch_from_settings(current):
-    """MPICOLL_DISPATCH, or (default) device-order where it is available, else tokens."""
-    set_dispatch(current.dispatch if current.dispatch != "default" else
-                 ("device-order" if DEVICE_ORDER_AVAILABLE else "tokens"))
 
 
 def after_pending_programs():

@@ -8,13 +8,15 @@ completed before returning) or binds the primitive into the trace.
 message.
 """
 
+import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from . import define, varying, validate, overlap, sharded
+from . import define, varying, validate, sharded
 from ..runtime import dtypes, comm as comm_layer, faults
 from .device_order import after_pending_programs
 
@@ -26,8 +28,9 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     comm: an mpi4py communicator, None (the default) or an already resolved
     comm.CommInfo.  ordered=False only for a program that runs synchronously
     with a single MPI call in it (see collective), where no token is needed to
-    order it.  overlapped: run on the progress thread (overlap.py); None: as
-    mpicoll.overlap() says now.  Eager calls are synchronous whatever it says.
+    order it.  overlapped: run on the progress thread; None: as
+    mpicoll.overlap() says now (overlapped_now).  Eager calls are synchronous
+    whatever it says.
     Point-to-point rejections are not compared across the communicator: only
     two of its ranks take part in a message.
     """
@@ -48,7 +51,7 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     x, params = agree(info, spec.name, validate.validated_params, spec, x, info, root, op,
                       transpose_sums, static)
     x, params = varying.typed_input(x, info), varying.typed_params(params)
-    if overlap.active() if overlapped is None else overlapped:
+    if overlapped_now() if overlapped is None else overlapped:
         params["overlapped"] = True
     return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
 
@@ -97,6 +100,28 @@ def on_each_device(fn, args, layout, out_specs):
     after_pending_programs()
     program = jax.jit(region)
     return run_eagerly(lambda packed: program(*packed), tuple(args))
+
+
+# mpicoll.overlap() (ops/scheduling.py): whether collectives traced now on this
+# thread lower to overlapped handlers, which queue the MPI call on a progress
+# thread of their device and return at once (an FFI future).
+_overlap = threading.local()
+
+
+def overlapped_now():
+    """Whether collectives traced now on this thread are overlapped."""
+    return getattr(_overlap, "enabled", False)
+
+
+@contextlib.contextmanager
+def overlapping(enabled):
+    """Collectives traced inside it on this thread are overlapped (enabled) or not."""
+    previous = overlapped_now()
+    _overlap.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _overlap.enabled = previous
 
 
 def per_device_overlap():
@@ -226,7 +251,7 @@ def collective(spec, x, **kwargs):
     if spec.reduces:
         kwargs["op"] = dtypes.op_name(kwargs["op"], spec.name)
     if not _compat.at_top_level():  # one program for the tree, its messages in order
-        program = _fused_program(spec, ordered=True, alias=True, overlapped=overlap.active(),
+        program = _fused_program(spec, ordered=True, alias=True, overlapped=overlapped_now(),
                                  **kwargs)
         return jax.tree.unflatten(treedef, program(tuple(leaves)))
     # Eagerly, each message runs like an eager array call: its own cached
