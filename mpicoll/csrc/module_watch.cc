@@ -167,7 +167,7 @@ PyObject* SetFlight(PyObject*, PyObject* args) {
   {
     std::lock_guard<std::mutex> lock(flight.mutex);
     flight.flight_dir = dir;
-    flight_root = dir[0] ? "" : root;
+    flight.job_dir_root = dir[0] ? "" : root;
     flight.temp_dir = root;
   }
   if (!dir[0]) {

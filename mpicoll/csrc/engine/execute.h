@@ -56,6 +56,31 @@ struct NothingBeforeRun {
   int operator()(const Call&) const { return MPI_SUCCESS; }
 };
 
+// Check mode for alltoallv, whose counts are each rank's own: rank j's send
+// count to rank r must be rank r's receive count from j.  Every rank learns
+// whether any pair disagrees, so all of them fail together.
+inline int VerifyPairCounts(const Call& c) {
+  std::vector<int64_t> incoming(c.size);
+  // On the checks' communicator, like every check (guard.h's CheckComm).
+  const MPI_Comm comm = c.internal_comm != MPI_COMM_NULL ? c.internal_comm : c.comm;
+  int rc = MPI_Alltoall(c.args + 1, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T, comm);
+  int wrong = -1;
+  for (int j = 0; rc == MPI_SUCCESS && j < c.size && wrong < 0; ++j) {
+    if (incoming[j] != c.args[1 + c.size + j]) wrong = j;
+  }
+  int any = wrong >= 0;
+  if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, comm);
+  if (rc != MPI_SUCCESS || !any) return rc;
+  c.failure = std::string("mpicoll check mode: ") + c.name + " counts disagree on " +
+              CommName(c.comm) + " (this is rank " + std::to_string(c.rank) + "): " +
+              (wrong < 0 ? std::string("between other ranks (see their errors)")
+                         : "rank " + std::to_string(wrong) + " sends " +
+                               std::to_string(incoming[wrong]) + " rows here, but recv_counts[" +
+                               std::to_string(wrong) + "] = " +
+                               std::to_string(c.args[1 + c.size + wrong]));
+  return kCheckFailed;
+}
+
 // The check before a call (see CheckMode and CheckSameCall).  Point-to-point
 // ops take no part (only two ranks of the communicator are in a message):
 // with every-call checks their bodies check each message instead.  alltoallv

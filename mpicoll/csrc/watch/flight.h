@@ -119,6 +119,10 @@ struct FlightRecorder {
   std::mutex mutex;
   std::string flight_dir, trace_dir;  // (mutex: read them with FolderOf)
   std::string temp_dir;               // the temporary directory (stacks reports)
+  // Where flight_dir is chosen for the job when MPICOLL_FLIGHT_DIR is not set:
+  // under it, one folder per job named after rank 0's host and pid (the same
+  // on every rank), once the ranks have met (side_channel.h); "": it was set.
+  std::string job_dir_root;
   // The flight dump (the ring's last records), at most once per reason kind a
   // second (DumpFlight): a stall's state requests from several ranks ask at once.
   std::atomic<int64_t> last_dump_ns{0};

@@ -89,15 +89,13 @@ inline std::string HostOf(int rank) {
                                                                    : std::string("?");
 }
 
-// The folder flight records go to when MPICOLL_FLIGHT_DIR is not set: one per
-// job under the temporary directory, named after rank 0's host and pid (the
-// same on every rank); this process's own until the ranks have met.
-inline std::string flight_root;  // "": MPICOLL_FLIGHT_DIR was set (flight_dir is it)
-
+// The job's flight folder under flight.job_dir_root (flight.h), where
+// MPICOLL_FLIGHT_DIR is not set; this process's own until the ranks have met.
 inline void ChooseJobFlightDir(const std::string& host, int64_t pid) {
   std::lock_guard<std::mutex> lock(flight.mutex);
-  if (!flight_root.empty()) {
-    flight.flight_dir = flight_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
+  if (!flight.job_dir_root.empty()) {
+    flight.flight_dir =
+        flight.job_dir_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
   }
 }
 
