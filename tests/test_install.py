@@ -111,3 +111,15 @@ def test_mpicolls_own_lax_calls_over_a_device_axis_never_enter_the_router(router
     # the user's own jax.lax over the same axis does enter it (the count is live)
     _traced_over_a_device_axis(lambda x: jax.lax.psum(x, "d") + jnp.float32(0))
     assert len(router_entries) == 1 and router_entries[0].startswith("psum"), router_entries
+
+
+def test_public_functions_are_defined_outside_the_primitive_machinery():
+    """primitive/ makes primitives; what a user calls is defined where the API
+    page's section would lead (ops/, observe/, runtime/, survive.py)."""
+    defined_in = {name: getattr(getattr(mpicoll, name), "__module__", None)
+                  for name in mpicoll.__all__ if callable(getattr(mpicoll, name))}
+    machinery = {name: module for name, module in defined_in.items()
+                 if module and module.startswith("mpicoll._src.primitive")}
+    assert not machinery, machinery
+    assert defined_in["mesh"] == defined_in["set_autodiff"] == "mpicoll._src.ops.typed_ranks"
+    assert defined_in["overlap"] == defined_in["set_dispatch"] == "mpicoll._src.ops.scheduling"
