@@ -6,6 +6,8 @@ directory is first on sys.path and they import this module as `_common`.
 * fake_cpu_devices(n), before jax is imported: the process gets n CPU devices.
 * Checker: check(name, got, expected) records a failure where got is not close to
   expected, at the tolerance the program sets once.
+* training_model(largest): the soaks' model, linear leaves of 4 B up to `largest`
+  bytes beside a small MLP.
 * report_and_exit(failures, what), last: rank 0 prints each rank's failures and a
   verdict line (what the pytest side looks for); the job exits non-zero on any.
 
@@ -50,6 +52,24 @@ class Checker:
                                        rtol=self.rtol if rtol is None else rtol, atol=self.atol)
         except AssertionError as error:
             self.failures.append(f"{name}: {str(error)[:600]}")
+
+
+def training_model(largest):
+    """A training step's model for the soaks: (shapes, base, params).  Linear leaves
+    (shapes: name -> shape) from 4 B up to `largest` bytes, whose gradient is exactly
+    their data (base: integer-valued floats, so sums are exact), and a small MLP
+    (w1, b1, w2); params: every leaf's initial value (zeros, the MLP's random)."""
+    shapes = {"scalar": (), "vector": (256,), "matrix": (64, 64), "square": (512, 512)}
+    side = 1024
+    while side * side * 4 <= largest:
+        shapes[f"big{side}"] = (side, side)
+        side *= 2
+    rng = np.random.default_rng(7)
+    base = {name: rng.integers(0, 4, shape).astype(np.float32) for name, shape in shapes.items()}
+    mlp = {"w1": rng.normal(size=(16, 32)).astype(np.float32) * 0.3,
+           "b1": np.zeros(32, np.float32), "w2": rng.normal(size=(32, 1)).astype(np.float32) * 0.3}
+    params = {**{name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, **mlp}
+    return shapes, base, params
 
 
 def report_and_exit(failures, what):

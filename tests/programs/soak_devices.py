@@ -18,7 +18,7 @@ computed alone, summed by numpy).  Prints "SOAK OK" on success.
 
 import sys
 
-from _common import fake_cpu_devices
+from _common import fake_cpu_devices, training_model
 
 DEVICES, MODE, STEPS = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 LARGEST = int(sys.argv[4]) if len(sys.argv) > 4 else 4 << 20
@@ -40,16 +40,7 @@ L = DEVICES
 N = SIZE * L  # participants, rank-major: p = rank * L + k
 
 # Linear leaves, 4 B up to LARGEST per device: their gradient is exactly the data.
-shapes = {"scalar": (), "vector": (256,), "matrix": (64, 64), "square": (512, 512)}
-side = 1024
-while side * side * 4 <= LARGEST:
-    shapes[f"big{side}"] = (side, side)
-    side *= 2
-rng = np.random.default_rng(7)
-BASE = {name: rng.integers(0, 4, shape).astype(np.float32) for name, shape in shapes.items()}
-MLP = {"w1": rng.normal(size=(16, 32)).astype(np.float32) * 0.3,
-       "b1": np.zeros(32, np.float32), "w2": rng.normal(size=(32, 1)).astype(np.float32) * 0.3}
-PARAMS = {**{name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, **MLP}
+shapes, BASE, PARAMS = training_model(LARGEST)
 
 
 def data(p, step):
@@ -159,7 +150,7 @@ for step in range(STEPS):
                             f"{np.abs(grads[name] - want).max()}")
     if step % 10 == 0 or step == STEPS - 1:  # the MLP and the loss, each participant alone
         own = [alone(PARAMS, *d) for d in everyone_data]
-        for name in MLP:
+        for name in ("w1", "b1", "w2"):  # the MLP
             want = np.sum([np.asarray(g[name]) for _, g in own], axis=0)
             if not np.allclose(grads[name], want, rtol=2e-4, atol=2e-5):
                 failures.append(f"step {step} grad {name}")

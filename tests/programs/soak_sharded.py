@@ -16,7 +16,7 @@ against numpy on every rank's regenerated data.  Prints "SOAK SHARDED OK".
 
 import sys
 
-from _common import fake_cpu_devices
+from _common import fake_cpu_devices, training_model
 
 DEVICES, STEPS = int(sys.argv[1]), int(sys.argv[2])
 LARGEST = int(sys.argv[3]) if len(sys.argv) > 3 else 4 << 20
@@ -34,16 +34,7 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 MESH = jax.make_mesh((DEVICES,), ("d",))
 BATCH = 4 * DEVICES  # a power of two: means of integers stay exact
 
-shapes = {"scalar": (), "vector": (256,), "matrix": (64, 64), "square": (512, 512)}
-side = 1024
-while side * side * 4 <= LARGEST:
-    shapes[f"big{side}"] = (side, side)
-    side *= 2
-rng = np.random.default_rng(7)
-BASE = {name: rng.integers(0, 4, shape).astype(np.float32) for name, shape in shapes.items()}
-MLP = {"w1": rng.normal(size=(16, 32)).astype(np.float32) * 0.3,
-       "b1": np.zeros(32, np.float32), "w2": rng.normal(size=(32, 1)).astype(np.float32) * 0.3}
-PARAMS = {**{name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, **MLP}
+shapes, BASE, PARAMS = training_model(LARGEST)
 
 
 def batch(rank, step):
@@ -87,7 +78,7 @@ for step in range(STEPS):
         failures.append(f"step {step} sendrecv")
     if step % 10 == 0 or step == STEPS - 1:
         own = [alone(PARAMS, s, x) for s, x in every]
-        for name in MLP:
+        for name in ("w1", "b1", "w2"):  # the MLP
             want = np.sum([np.asarray(g[name]) for g in own], axis=0)
             if not np.allclose(np.asarray(grads[name]), want, rtol=2e-4, atol=2e-5):
                 failures.append(f"step {step} grad {name}")
