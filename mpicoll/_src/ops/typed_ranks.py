@@ -9,6 +9,7 @@ The typing itself, and the state these choices set, are primitive/varying.py's.
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from ..primitive import varying
 
@@ -49,7 +50,6 @@ def mesh(local_axis=None, devices=None):
                                      out_specs=P()))
         mean(jnp.array([rank + 1.0]))        # [1.5] on both
     """
-    from jax.sharding import Mesh
     if local_axis == RANKS:
         raise ValueError(f"mpicoll.mesh: local_axis must differ from {RANKS!r}")
     if devices is None:
