@@ -72,8 +72,9 @@ def training_model(largest):
     return shapes, base, params
 
 
-def report_and_exit(failures, what):
-    """failures: this rank's list of messages; what: the job's shape, e.g. '(2 ranks x 2 devices)'."""
+def report_and_exit(failures, what, verdict="ALL OK"):
+    """failures: this rank's list of messages; what: the job's shape, e.g. '(2 ranks x 2 devices)';
+    verdict: the line's first words where every rank passed."""
     from mpi4py import MPI
 
     all_failures = MPI.COMM_WORLD.allgather(failures)
@@ -82,5 +83,5 @@ def report_and_exit(failures, what):
             for failure in rank_failures:
                 print(f"rank {rank}: FAIL {failure}", flush=True)
         total = sum(map(len, all_failures))
-        print("ALL OK" if total == 0 else f"{total} FAILURES", what, flush=True)
+        print(verdict if total == 0 else f"{total} FAILURES", what, flush=True)
     sys.exit(1 if any(all_failures) else 0)

@@ -18,7 +18,7 @@ computed alone, summed by numpy).  Prints "SOAK OK" on success.
 
 import sys
 
-from _common import fake_cpu_devices, training_model
+from _common import fake_cpu_devices, report_and_exit, training_model
 
 DEVICES, MODE, STEPS = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 LARGEST = int(sys.argv[4]) if len(sys.argv) > 4 else 4 << 20
@@ -178,9 +178,5 @@ for step in range(STEPS):
     if failures:
         break
 
-failures = MPI.COMM_WORLD.allgather(failures)
-if RANK == 0:
-    bad = [f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs[:5]]
-    print("\n".join(bad) if bad else f"SOAK OK ({SIZE} ranks x {L} devices, {MODE}, "
-          f"{STEPS} steps, leaves up to {LARGEST} B)", flush=True)
-sys.exit(1 if any(failures) else 0)
+report_and_exit(failures, f"({SIZE} ranks x {L} devices, {MODE}, {STEPS} steps, "
+                f"leaves up to {LARGEST} B)", verdict="SOAK OK")

@@ -16,7 +16,7 @@ against numpy on every rank's regenerated data.  Prints "SOAK SHARDED OK".
 
 import sys
 
-from _common import fake_cpu_devices, training_model
+from _common import fake_cpu_devices, report_and_exit, training_model
 
 DEVICES, STEPS = int(sys.argv[1]), int(sys.argv[2])
 LARGEST = int(sys.argv[3]) if len(sys.argv) > 3 else 4 << 20
@@ -85,9 +85,5 @@ for step in range(STEPS):
     if failures:
         break
 
-failures = MPI.COMM_WORLD.allgather(failures)
-if RANK == 0:
-    bad = [f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs[:5]]
-    print("\n".join(bad) if bad else f"SOAK SHARDED OK ({SIZE} ranks x {DEVICES} devices, "
-          f"{STEPS} steps, leaves up to {LARGEST} B)", flush=True)
-sys.exit(1 if any(failures) else 0)
+report_and_exit(failures, f"({SIZE} ranks x {DEVICES} devices, {STEPS} steps, "
+                f"leaves up to {LARGEST} B)", verdict="SOAK SHARDED OK")
