@@ -13,6 +13,7 @@ as an exception naming the op, rank, communicator and MPI's error string.
 
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,9 +129,8 @@ def test_a_rank_whose_mpi_abort_hangs_ends_itself(tmp_path):
     source = tmp_path / "hanging_abort.c"
     source.write_text(_HANGING_ABORT)
     shim = tmp_path / "hanging_abort.so"
-    import subprocess
     built = subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(source)],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     run = launch(PROGRAM, "raise", env={"LD_PRELOAD": str(shim)})
     # The backstop (csrc/watch/guard.h, AbortJob): 10 s after the abort began.

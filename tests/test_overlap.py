@@ -246,3 +246,18 @@ def test_timeout_aborts_an_overlapped_call_that_never_completes():
     assert_aborted_by_timeout(
         "hang-overlapped", r"mpicoll: rank 0 \(rank 0 of solver, local device "
         r"0\) has waited [\d.]+ s in allreduce \(MPICOLL_TIMEOUT={timeout}\); aborting the job")
+
+
+def test_overlap_is_refused_when_lowered_for_a_gpu():
+    # The documented limit (docs/overlap.md): the progress threads are CPU's.  Lowered
+    # for CUDA without a GPU here; the same call outside overlap() lowers.
+    x = jnp.ones(4, jnp.float32)
+
+    def overlapped(v):
+        with mpicoll.overlap():
+            return mpicoll.allreduce(v)
+
+    with pytest.raises(NotImplementedError, match=r"mpicoll.overlap\(\) runs collectives on a "
+                       r"progress thread on CPU only.*'cuda'"):
+        jax.jit(overlapped).trace(x).lower(lowering_platforms=("cuda",))
+    jax.jit(mpicoll.allreduce).trace(x).lower(lowering_platforms=("cuda",))
