@@ -16,8 +16,10 @@ across the ranks, four ways, inside jax.jit (one call per dispatch):
 
 Timing: warm-up, then the median over --repeats runs of --inner calls, each
 started together (a barrier) and taken as the slowest rank's time, always with
-block_until_ready(); every result checked against numpy.  Ratios to the P("d")
-row are printed beside each.
+block_until_ready(); every result checked against numpy.  The four ways take
+turns, --rounds times (so a slow spell of the machine touches each alike), and
+each row prints its median over the rounds and its ratio to the P("d") row
+(the median, and the lowest and highest of the rounds' ratios).
 """
 
 import argparse
@@ -59,6 +61,7 @@ def main():
     parser.add_argument("--mib", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     devices = jax.local_device_count()
     count = int(args.mib * 2**20 / 4) // devices * devices
@@ -79,18 +82,25 @@ def main():
             ("shard_map over mpicoll.mesh", shard_mapped,
              jax.device_put(data, NamedSharding(local, P("dev")))),
             ("one device", allreduce, single)]
-    results = []
-    for name, fn, x in rows:
-        seconds, out = timed(fn, x, args.repeats, args.inner)
-        if not np.allclose(np.asarray(out), want):
+    for name, fn, x in rows:  # compile and check each before timing any
+        if not np.allclose(np.asarray(fn(x)), want):
             raise SystemExit(f"{name}: wrong result")
-        results.append((name, seconds))
+    rounds = {name: [] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, fn, x in rows:
+            seconds, out = timed(fn, x, args.repeats, args.inner)
+            if not np.allclose(np.asarray(out), want):
+                raise SystemExit(f"{name}: wrong result")
+            rounds[name].append(seconds)
     if rank == 0:
-        base = results[0][1]
+        base = rounds[rows[0][0]]
         print(f"allreduce of {args.mib:g} MiB per process, {size} ranks x {devices} devices, "
-              f"jax {jax.__version__}: us per call, median of {args.repeats} (slowest rank)")
-        for name, seconds in results:
-            print(f"  {name:<30} {seconds * 1e6:10.1f}   {seconds / base:5.2f}x P(\"d\")")
+              f"jax {jax.__version__}: us per call, median of {args.repeats} (slowest rank), "
+              f"median of {args.rounds} rounds; ratio to P(\"d\"): median (lowest-highest)")
+        for name, times in rounds.items():
+            ratios = [t / b for t, b in zip(times, base)]
+            print(f"  {name:<30} {statistics.median(times) * 1e6:10.1f}   "
+                  f"{statistics.median(ratios):5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

@@ -178,23 +178,27 @@ def _out_batch_dim(x, dim, out):
     return None if dim is None else dim + out.ndim - x.ndim
 
 
-def _overlapped_target(ctx, target, overlapped):
-    """The FFI target of a call: `mpicoll_<op>_overlapped` for one traced in mpicoll.overlap().
+def _overlapped_target(ctx, target, overlapped, here_once_arrived):
+    """The FFI target of a call and its extra attributes: `mpicoll_<op>_overlapped`
+    for one traced in mpicoll.overlap(), or for a device's call on its shard of a
+    sharded array (here_once_arrived: it runs on XLA's thread where every rank has
+    already arrived, else on the progress thread; entries/cpu.cc, RunOverlapped).
 
-    The param `overlapped` is present (True) only on such calls, so every other
-    program's jaxpr is unchanged.
+    The params `overlapped` and `here_once_arrived` are present (True) only on
+    such calls, so every other program's jaxpr is unchanged.
     """
     if not overlapped:
-        return target
+        return target, {}
     platforms = set(ctx.module_context.platforms)
     if platforms - {"cpu"}:
         raise NotImplementedError(
             f"{target}: mpicoll.overlap() runs collectives on a progress thread on CPU only "
             f"for now, not on {sorted(platforms - {'cpu'})}; trace the call outside "
             "mpicoll.overlap() (it then runs synchronously on XLA's stream)")
+    attributes = {"here_once_arrived": int(bool(here_once_arrived))}
     if target.endswith("_fused"):
-        return f"{target.removesuffix('_fused')}_overlapped_fused"
-    return f"{target}_overlapped"
+        return f"{target.removesuffix('_fused')}_overlapped_fused", attributes
+    return f"{target}_overlapped", attributes
 
 
 def _on_each_device(ctx, devices, primitive, spec, xs, params):
@@ -206,8 +210,8 @@ def _on_each_device(ctx, devices, primitive, spec, xs, params):
     gathers a sharded one first) and split over the devices as sharded.py splits
     a replicated array: each byte crosses the network once per process."""
     mesh = jax.sharding.AbstractMesh((devices,), ("_mpicoll_devices",))
-    if tuple(ctx.module_context.platforms) == ("cpu",):  # on the progress threads (sharded.py)
-        params = dict(params, overlapped=True)
+    if tuple(ctx.module_context.platforms) == ("cpu",):  # never waits on XLA's thread (sharded.py)
+        params = dict(params, overlapped=True, here_once_arrived=True)
 
     def each(*values):
         outs = []
@@ -242,7 +246,7 @@ def _single_array_primitive(spec):
             _effects(ordered)
 
     def lowering(ctx, x, *, comm, root, op, ordered, alias, ffi_args=(), overlapped=False,
-                 **params):
+                 here_once_arrived=False, **params):
         devices = _compat.partitioned_devices(ctx)
         if devices:  # a value XLA lays out when it compiles: see _on_each_device
             return _on_each_device(ctx, devices, primitive, spec, (x,), dict(
@@ -254,10 +258,11 @@ def _single_array_primitive(spec):
         # Eager programs do not alias (alias=False): their input is the
         # caller's array, never donated, so aliasing would only add that copy.
         # ffi_args: the vector and point-to-point families' ints (counts, peers).
+        target, attributes = _overlapped_target(ctx, spec.target, overlapped, here_once_arrived)
         return ordered_ffi_call(
-            ctx, _overlapped_target(ctx, spec.target, overlapped), x, ordered=ordered,
+            ctx, target, x, ordered=ordered,
             aliases={1: 1} if spec.in_place and alias else None, comm=comm, root=root, op=op,
-            args=np.asarray(ffi_args, np.int64).reshape(-1))
+            args=np.asarray(ffi_args, np.int64).reshape(-1), **attributes)
 
     primitive = effectful_primitive(spec.target, abstract_eval, lowering)
 
@@ -310,7 +315,7 @@ def _fused_primitive(spec, single):
                 for x in xs], _effects(ordered)
 
     def lowering(ctx, *xs, comm, size, root, op, ordered, alias, overlapped=False,
-                 **rules):  # rules: AD-only
+                 here_once_arrived=False, **rules):  # rules: AD-only
         devices = _compat.partitioned_devices(ctx)
         if devices:  # one array at a time, each as the single-array call does
             return _on_each_device(ctx, devices, single, spec, xs, dict(
@@ -320,9 +325,10 @@ def _fused_primitive(spec, single):
         # in a loop saves XLA one copy per carried array and iteration.
         aliases = ({i + 1: i + 1 for i in range(len(xs))} if spec.in_place and alias
                    else None)
-        return ordered_ffi_call(ctx, _overlapped_target(ctx, f"{spec.target}_fused", overlapped),
-                                *xs, ordered=ordered, aliases=aliases, comm=comm, root=root,
-                                op=op)
+        target, attributes = _overlapped_target(ctx, f"{spec.target}_fused", overlapped,
+                                                here_once_arrived)
+        return ordered_ffi_call(ctx, target, *xs, ordered=ordered, aliases=aliases, comm=comm,
+                                root=root, op=op, **attributes)
 
     primitive = effectful_primitive(f"{spec.target}_fused", abstract_eval, lowering,
                                     multiple_results=True)

@@ -22,15 +22,17 @@ from .device_order import after_pending_programs
 
 
 def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, alias=True,
-         static=(), overlapped=None, layout=None):
+         static=(), overlapped=None, here_once_arrived=False, layout=None):
     """Validate, then run eagerly (a concrete array outside any trace) or bind the primitive.
 
     comm: an mpi4py communicator, None (the default) or an already resolved
     comm.CommInfo.  ordered=False only for a program that runs synchronously
     with a single MPI call in it (see collective), where no token is needed to
     order it.  overlapped: run on the progress thread; None: as
-    mpicoll.overlap() says now (overlapped_now).  Eager calls are synchronous
-    whatever it says.
+    mpicoll.overlap() says now (overlapped_now).  here_once_arrived (with
+    overlapped): run on XLA's thread where every rank has already arrived, else
+    on the progress thread (a sharded array's per-device calls).  Eager calls
+    are synchronous whatever they say.
     Point-to-point rejections are not compared across the communicator: only
     two of its ranks take part in a message.
     """
@@ -53,6 +55,8 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     x, params = varying.typed_input(x, info), varying.typed_params(params)
     if overlapped_now() if overlapped is None else overlapped:
         params["overlapped"] = True
+        if here_once_arrived:
+            params["here_once_arrived"] = True
     return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
 
 
@@ -60,10 +64,12 @@ def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
     """The collective of an array laid out over several local devices (sharded.py):
     each device's shard, on its own communicator, inside one manual region."""
     info = comm_layer.resolve(comm, spec.name)
-    # On CPU the per-device calls run on the devices' progress threads: no XLA
-    # thread waits in MPI while the program's own collectives rendezvous.
-    call = functools.partial(bind, spec, overlapped=_on_cpu(x), comm=info, root=root, op=op,
-                             transpose_sums=transpose_sums, static=static)
+    # On CPU no XLA thread waits in MPI for a rank that has not arrived, so the
+    # program's own collectives can always rendezvous: a per-device call runs
+    # on XLA's thread only once every rank is in it, else on the progress thread.
+    call = functools.partial(bind, spec, overlapped=_on_cpu(x), here_once_arrived=True,
+                             comm=info, root=root, op=op, transpose_sums=transpose_sums,
+                             static=static)
     if not _compat.at_top_level():
         return sharded.run(spec.name, x, layout, call, spec.family)
     key = (spec.name, layout.key(), info.slot, root, op, transpose_sums, static)

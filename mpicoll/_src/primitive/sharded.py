@@ -14,10 +14,11 @@ mpicoll's custom call (a side-effecting call it cannot partition).  Devices
 that hold the same shard (a mesh axis the spec does not name: replicated) split
 it: each moves 1/R of it, and the R pieces are gathered back within the
 process, so a replicated array crosses the network once per process, not once
-per device.  On CPU the per-device calls run on the devices' progress threads
-(as mpicoll.overlap() does), so no XLA thread waits in MPI while XLA's own
-collectives of the same program rendezvous (the argument of docs/design.md,
-"Ranks x devices: why it cannot deadlock").
+per device.  On CPU no XLA thread waits in MPI for a rank that has not
+arrived: a per-device call runs on XLA's thread once every rank is in it, else
+on the device's progress thread (as mpicoll.overlap() does), so XLA's own
+collectives of the same program can always rendezvous (the argument of
+docs/design.md, "Ranks x devices: why it cannot deadlock").
 
 The result's layout, for x laid out as P(s0, s1, ...):
 

@@ -400,29 +400,68 @@ inline int SendrecvWhole(const Call& c, const Chunk&) {
 }
 
 // ---------------------------------------------------------------------------
-// Before an overlapped collective moves data, its progress thread waits until
-// every rank of the communicator has reached it, testing an MPI_Ibarrier and
-// sleeping in between.  MPI's blocking calls spin while they wait for a late
-// rank, and that spinning would take a core from the computation that runs
-// meanwhile on this rank (on a machine with no spare core, the case where
-// overlap matters most).  Once everyone is there the collective itself runs
-// at full speed.  Costs one barrier per overlapped call, and up to one sleep
-// (kArrivalSleepUs) of latency after the last rank arrives.
+// Before an overlapped collective moves data, it waits until every rank of
+// the communicator has reached it, testing an MPI_Ibarrier and sleeping in
+// between.  MPI's blocking calls spin while they wait for a late rank, and
+// that spinning would take a core from the computation that runs meanwhile on
+// this rank (on a machine with no spare core, the case where overlap matters
+// most).  Once everyone is there the collective itself runs at full speed.
+// Costs one barrier per overlapped call, and up to one sleep (kArrivalSleepUs)
+// of latency after the last rank arrives.
+//
+// The barrier may be started by one thread and finished by another: XLA's
+// thread starts it and tests it for a moment (a call that runs here once every
+// rank has arrived, entries/cpu.cc), the device's progress thread waits for
+// the rest.
 constexpr int64_t kArrivalSpinNs = 20000;
 constexpr int kArrivalSleepUs = 50;
 
-inline int WaitForArrivals(const Call& c) {
-  if (c.size == 1) return MPI_SUCCESS;
-  MPI_Request request;
-  int rc = MPI_Ibarrier(c.comm, &request);
-  const int64_t spin_until = NowNs() + kArrivalSpinNs;
-  for (int done = 0; rc == MPI_SUCCESS && !done;) {
-    rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-    if (rc == MPI_SUCCESS && !done && NowNs() > spin_until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(kArrivalSleepUs));
-    }
+class Arrival {
+ public:
+  // Starts the barrier (with one rank, everyone has arrived).
+  void Start(const Call& c) {
+    if (c.size > 1) rc_ = MPI_Ibarrier(c.comm, &request_);
+    done_ = c.size == 1 || rc_ != MPI_SUCCESS;
   }
-  return rc;
+
+  // Tests for up to spin_ns: whether every rank has arrived (or the barrier failed).
+  bool Within(int64_t spin_ns) {
+    const int64_t until = NowNs() + spin_ns;
+    while (!done_) {
+      Test();
+      if (done_ || NowNs() > until) break;
+      // Let a thread that has work run first: on a machine with no spare core
+      // it may be the very thread a late rank, or another local device, waits for.
+      std::this_thread::yield();
+    }
+    return done_;
+  }
+
+  // Returns once every rank has arrived: spins kArrivalSpinNs, then sleeps between tests.
+  int Wait() {
+    for (bool arrived = Within(kArrivalSpinNs); !arrived; arrived = done_) {
+      std::this_thread::sleep_for(std::chrono::microseconds(kArrivalSleepUs));
+      Test();
+    }
+    return rc_;
+  }
+
+ private:
+  void Test() {
+    int flag = 0;
+    rc_ = MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
+    done_ = flag || rc_ != MPI_SUCCESS;
+  }
+
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  int rc_ = MPI_SUCCESS;
+  bool done_ = false;
+};
+
+inline int WaitForArrivals(const Call& c) {
+  Arrival arrival;
+  arrival.Start(c);
+  return arrival.Wait();
 }
 
 }  // namespace mpicoll

@@ -75,6 +75,10 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
 // that disagree on overlapping a call get the mismatch error, not a hang.
 constexpr const char* kOverlappedSuffix = ", overlapped";
 
+// How long XLA's thread tests whether every rank has arrived before it hands a
+// call that may run here (below) to the progress thread.
+constexpr int64_t kArrivedHereSpinNs = 100000;
+
 // Point-to-point calls have only two ranks in a message: no barrier over the
 // communicator before them.
 template <typename Op>
@@ -85,17 +89,64 @@ struct ArrivalWait {
   }
 };
 
+// The arrival barrier XLA's thread started, finished where the call runs.
+struct FinishArrival {
+  std::shared_ptr<Arrival> arrival;
+  int operator()(const Call&) const { return arrival->Wait(); }
+};
+
+// Runs a prepared overlapped call: run(before_run) executes it, before_run
+// waiting for the other ranks' arrival.
+//
+// here_once_arrived = 0 (mpicoll.overlap()): always queued on the progress
+// thread, which waits for every rank and then runs it.
+//
+// here_once_arrived = 1 (each device's call on its shard of a sharded array,
+// where the point is that no XLA thread waits for a rank, not overlap): XLA's
+// thread starts the arrival barrier and tests it for up to kArrivedHereSpinNs.
+// If every rank has arrived, it runs the call itself: each peer is inside the
+// same call and moves its data at once, waiting on nothing of XLA's, so this
+// thread waits for the transfer only.  Otherwise the progress thread finishes
+// the wait and runs it, as for a queued call.  Either way no XLA thread waits
+// for a rank that has not arrived (docs/design.md, "Ranks x devices"), and a
+// balanced job pays no hop to the progress thread.  A call that first compares
+// itself across ranks (check mode) is queued whole, check before barrier as
+// always, so ranks that disagree get the mismatch error; point-to-point calls
+// have no barrier and are always queued.
+template <typename Op, typename Describe, typename Run>
+ffi::Future RunOverlapped(const Call& c, int32_t device, int64_t here_once_arrived,
+                          Describe&& describe, Run run) {
+  if (!here_once_arrived || Op::kFamily == kPeer || progress_threads[device].Pending() != 0 ||
+      PlanCheck(c, device, describe).check) {
+    return Overlap(device, [run]() mutable { return run(ArrivalWait<Op>{}); });
+  }
+  auto arrival = std::make_shared<Arrival>();
+  bool arrived;
+  {
+    SerializedMpiScope serialized;  // released before the call, which takes it again
+    arrival->Start(c);
+    arrived = arrival->Within(kArrivedHereSpinNs);
+  }
+  if (arrived) return CompletedFuture(run(FinishArrival{arrival}));
+  return Overlap(device, [run, arrival]() mutable { return run(FinishArrival{arrival}); });
+}
+
 struct OverlappedArray {
   Call c{};
   std::vector<int64_t> args, dims;
   ffi::DataType dtype;
+
+  template <typename Op>
+  std::string Describe() const {
+    return DescribeShape<Op>(c, dtype, dims) + kOverlappedSuffix;
+  }
 };
 
 template <typename Op>
 ffi::Future CpuOverlappedEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                                ffi::Result<ffi::AnyBuffer> out, int32_t device,
                                int64_t comm_slot, int64_t root, int64_t op, int64_t site,
-                               ffi::Span<const int64_t> args) {
+                               ffi::Span<const int64_t> args, int64_t here_once_arrived) {
   auto call = std::make_shared<OverlappedArray>();
   if (ffi::Error err =
           PrepareArray<Op>(call->c, x, out, device, comm_slot, root, op, site, args);
@@ -108,16 +159,15 @@ ffi::Future CpuOverlappedEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::To
   call->c.dims = call->dims.data();  // x's own dims are gone when the call runs
   call->c.queued_ns = Recording() ? NowNs() : 0;
   call->dtype = x.element_type();
-  return Overlap(device, [call, device] {
-    Call& c = call->c;
-    HostMemory memory;
-    ffi::Error err = Execute<Op>(
-        c, device, memory,
-        [&] { return DescribeShape<Op>(c, call->dtype, call->dims) + kOverlappedSuffix; },
-        ArrivalWait<Op>{});
-    if (err.success()) RecordStatus<Op>(c, device);
-    return err;
-  });
+  return RunOverlapped<Op>(
+      call->c, device, here_once_arrived, [&] { return call->template Describe<Op>(); },
+      [call, device](auto before_run) {
+        HostMemory memory;
+        ffi::Error err = Execute<Op>(
+            call->c, device, memory, [&] { return call->template Describe<Op>(); }, before_run);
+        if (err.success()) RecordStatus<Op>(call->c, device);
+        return err;
+      });
 }
 
 // A fused call packs into buffers of its own (the synchronous path's are per
@@ -131,7 +181,8 @@ struct OverlappedFused {
 template <typename Op>
 ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Token>,
                                     ffi::RemainingRets outs, int32_t device, int64_t comm_slot,
-                                    int64_t root, int64_t op, int64_t site) {
+                                    int64_t root, int64_t op, int64_t site,
+                                    int64_t here_once_arrived) {
   auto call = std::make_shared<OverlappedFused>();
   if (ffi::Error err =
           PrepareFused<Op>(call->c, call->arrays, xs, outs, device, comm_slot, root, op, site);
@@ -139,10 +190,16 @@ ffi::Future CpuOverlappedFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Resu
     return CompletedFuture(err);
   }
   call->c.queued_ns = Recording() ? NowNs() : 0;
-  return Overlap(device, [call, device] {
-    return RunFused<Op>(call->c, call->arrays, call->packed_in, call->packed_out, device,
-                        kOverlappedSuffix, ArrivalWait<Op>{});
-  });
+  return RunOverlapped<Op>(
+      call->c, device, here_once_arrived,
+      [&] {
+        return DescribeFused<Op>(call->c, call->arrays.in.size(), call->c.dtype) +
+               kOverlappedSuffix;
+      },
+      [call, device](auto before_run) {
+        return RunFused<Op>(call->c, call->arrays, call->packed_in, call->packed_out, device,
+                            kOverlappedSuffix, before_run);
+      });
 }
 
 ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int64_t comm_slot,
@@ -165,9 +222,11 @@ ffi::Error BarrierEntry(ffi::Token, ffi::Result<ffi::Token>, int32_t device, int
   XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFused_##Type, CpuFusedEntry<Type>,                     \
                                 MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedData_##Type, CpuOverlappedEntry<Type>,       \
-                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT));                \
+                                MPICOLL_DATA_BINDING(MPICOLL_NO_CONTEXT)                  \
+                                    .Attr<int64_t>("here_once_arrived"));                 \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuOverlappedFused_##Type, CpuOverlappedFusedEntry<Type>, \
-                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT));
+                                MPICOLL_FUSED_BINDING(MPICOLL_NO_CONTEXT)                 \
+                                    .Attr<int64_t>("here_once_arrived"));
 MPICOLL_OPS(MPICOLL_CPU_HANDLERS)
 #undef MPICOLL_CPU_HANDLERS
 
