@@ -7,7 +7,8 @@ result is checked against numpy on the per-rank data: every collective, every
 layout (a dimension sharded, another, replicated; with 4 devices a 2 x 2 mesh
 with one axis replicated, and both axes), eagerly and inside jit, under
 jax.set_mesh, with Auto axes, and under grad and vmap; the result's layout is
-checked against the documented one.  Prints "SHARDED OK" on rank 0.
+checked against the documented one; a data-parallel step, also with one rank
+arriving late at each call.  Prints "SHARDED OK" on rank 0.
 """
 
 import sys
@@ -215,6 +216,24 @@ for _ in range(3):
     grads = [2.0 / B * xr.T.astype(np.float64) @ (xr @ want - yr) for xr, yr in data]
     want = want - 0.1 * np.mean(grads, axis=0)
 expect("data-parallel step", w, want.astype(np.float32), P())
+
+
+@jax.jit
+def late_step(w, x, y, late_work):
+    # The same step, with one rank arriving late at the allreduce (late_work matmuls
+    # feed its gradient first): the others' devices cannot run the call at once and
+    # hand the wait to their progress threads (docs/design.md, "Ranks x devices").
+    grads = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    m = jnp.full((192, 192), 1.0 / 192, jnp.float32)
+    busy = jax.lax.fori_loop(0, late_work, lambda i, a: a @ m, m)
+    return w - 0.1 * mpicoll.allreduce(grads + 0.0 * busy[0, :8]) / SIZE
+
+
+for late in range(2 * SIZE):
+    w = late_step(w, x, y, 40 if late % SIZE == RANK else 0)
+    grads = [2.0 / B * xr.T.astype(np.float64) @ (xr @ want - yr) for xr, yr in data]
+    want = want - 0.1 * np.mean(grads, axis=0)
+expect("data-parallel step with a late rank", w, want.astype(np.float32), P())
 
 failures = MPI.COMM_WORLD.allgather(failures)
 if RANK == 0:
