@@ -113,25 +113,26 @@ struct FinishArrival {
 // thread waits for the transfer only.  Otherwise the progress thread finishes
 // the wait and runs it, as for a queued call.  Either way no XLA thread waits
 // for a rank that has not arrived (docs/design.md, "Ranks x devices"), and a
-// balanced job pays no hop to the progress thread.  A call that first compares
-// itself across ranks (check mode) is queued whole, check before barrier as
-// always, so ranks that disagree get the mismatch error; point-to-point calls
-// have no barrier and are always queued.
+// balanced job pays no hop to the progress thread.
+//
+// Queued whole instead: a call while the device's queue holds an earlier call
+// (it must not overtake it on the communicator: the queue's order is the MPI
+// order); a call that first compares itself across ranks (check mode: the
+// check meets before any barrier, so ranks that disagree get the mismatch
+// error); point-to-point calls (no barrier); and any call where MPI runs
+// serialized (one device per process, so no sharded arrays: the lock would be
+// held through the test).
 template <typename Op, typename Describe, typename Run>
 ffi::Future RunOverlapped(const Call& c, int32_t device, int64_t here_once_arrived,
                           Describe&& describe, Run run) {
   if (!here_once_arrived || Op::kFamily == kPeer || progress_threads[device].Pending() != 0 ||
+      serialized_mpi.on.load(std::memory_order_relaxed) ||
       PlanCheck(c, device, describe).check) {
     return Overlap(device, [run]() mutable { return run(ArrivalWait<Op>{}); });
   }
   auto arrival = std::make_shared<Arrival>();
-  bool arrived;
-  {
-    SerializedMpiScope serialized;  // released before the call, which takes it again
-    arrival->Start(c);
-    arrived = arrival->Within(kArrivedHereSpinNs);
-  }
-  if (arrived) return CompletedFuture(run(FinishArrival{arrival}));
+  arrival->Start(c);
+  if (arrival->Within(kArrivedHereSpinNs)) return CompletedFuture(run(FinishArrival{arrival}));
   return Overlap(device, [run, arrival]() mutable { return run(FinishArrival{arrival}); });
 }
 
