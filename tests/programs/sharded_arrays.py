@@ -201,10 +201,19 @@ data = [(g.standard_normal((B, 8)).astype(np.float32), g.standard_normal(B).asty
 w0 = np.linspace(-1, 1, 8, dtype=np.float32)
 
 
+def local_grads(w, x, y):
+    return jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+
+
+def numpy_step(want):
+    """The step on every rank's data, in float64: the reference."""
+    grads = [2.0 / B * xr.T.astype(np.float64) @ (xr @ want - yr) for xr, yr in data]
+    return want - 0.1 * np.mean(grads, axis=0)
+
+
 @jax.jit
 def step(w, x, y):
-    grads = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
-    return w - 0.1 * mpicoll.allreduce(grads) / SIZE
+    return w - 0.1 * mpicoll.allreduce(local_grads(w, x, y)) / SIZE
 
 
 x = jax.device_put(data[RANK][0], NamedSharding(MESH, P(axes)))
@@ -212,9 +221,7 @@ y = jax.device_put(data[RANK][1], NamedSharding(MESH, P(axes)))
 w = jax.device_put(w0, NamedSharding(MESH, P()))
 want = w0.astype(np.float64)
 for _ in range(3):
-    w = step(w, x, y)
-    grads = [2.0 / B * xr.T.astype(np.float64) @ (xr @ want - yr) for xr, yr in data]
-    want = want - 0.1 * np.mean(grads, axis=0)
+    w, want = step(w, x, y), numpy_step(want)
 expect("data-parallel step", w, want.astype(np.float32), P())
 
 
@@ -223,16 +230,13 @@ def late_step(w, x, y, late_work):
     # The same step, with one rank arriving late at the allreduce (late_work matmuls
     # feed its gradient first): the others' devices cannot run the call at once and
     # hand the wait to their progress threads (docs/design.md, "Ranks x devices").
-    grads = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
     m = jnp.full((192, 192), 1.0 / 192, jnp.float32)
     busy = jax.lax.fori_loop(0, late_work, lambda i, a: a @ m, m)
-    return w - 0.1 * mpicoll.allreduce(grads + 0.0 * busy[0, :8]) / SIZE
+    return w - 0.1 * mpicoll.allreduce(local_grads(w, x, y) + 0.0 * busy[0, :8]) / SIZE
 
 
 for late in range(2 * SIZE):
-    w = late_step(w, x, y, 40 if late % SIZE == RANK else 0)
-    grads = [2.0 / B * xr.T.astype(np.float64) @ (xr @ want - yr) for xr, yr in data]
-    want = want - 0.1 * np.mean(grads, axis=0)
+    w, want = late_step(w, x, y, 40 if late % SIZE == RANK else 0), numpy_step(want)
 expect("data-parallel step with a late rank", w, want.astype(np.float32), P())
 
 failures = MPI.COMM_WORLD.allgather(failures)

@@ -439,7 +439,8 @@ class Arrival {
 
   // Returns once every rank has arrived: spins kArrivalSpinNs, then sleeps between tests.
   int Wait() {
-    for (bool arrived = Within(kArrivalSpinNs); !arrived; arrived = done_) {
+    Within(kArrivalSpinNs);
+    while (!done_) {
       std::this_thread::sleep_for(std::chrono::microseconds(kArrivalSleepUs));
       Test();
     }
