@@ -53,6 +53,25 @@ def test_a_rank_busy_in_python_is_named_and_the_job_goes_on():
     assert result.output.count("allreduce [3.0, 3.0, 3.0, 3.0]") == 3
 
 
+def test_a_late_rank_arriving_as_the_report_is_gathered_is_not_misreported():
+    # The last rank sleeps 1.05 s before each of 10 allreduces, so it arrives
+    # while the 1 s report is being gathered: the wait is ending.  No report may
+    # then describe the next wait (0 s in), come from a rank other than the
+    # lowest stalled one, or name no rank behind the wait.  Before the fix about
+    # half of them did (reports.h, EveryMemberCame; watchdog.h).
+    result = run_mpiexec(3, [sys.executable, PROGRAM, "late", "1.05", "10"],
+                         env={"MPICOLL_STALL_REPORT": "1", "MPICOLL_TIMEOUT": "60"}, timeout=180)
+    assert result.returncode == 0, result.summary()
+    assert result.output.count("allreduce [3.0, 3.0, 3.0, 3.0]") == 3, result.summary()
+    for head, lines in _reports(result.output):
+        sequence = int(re.search(r"sequence (\d+)", head).group(1))
+        behind = [int(s) for line in lines
+                  for s in re.findall(r"its last on MPI_COMM_WORLD: sequence (\d+)", line)]
+        assert head.startswith("mpicoll: stall report from rank 0 "), result.summary()
+        assert float(re.search(r"waiting ([\d.]+) s", head).group(1)) >= 0.95, result.summary()
+        assert any(b < sequence for b in behind), result.summary()
+
+
 def _flight(directory):
     """`python -m mpicoll flight DIR`: (exit status, output)."""
     done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],

@@ -1,8 +1,9 @@
 """Stall reports, run as `mpiexec -n R python stall.py CASE` with MPICOLL_STALL_REPORT
 (and MPICOLL_TIMEOUT) small:
 
-  late       the last rank is busy in Python (sleeps) before its allreduce: the report
-             names it as not in a collective; the job then completes
+  late       the last rank is busy in Python (sleeps SLEEP s) before its allreduce, TIMES
+             times (argv[3], default 1): the report names it as not in a collective;
+             the job then completes
   elsewhere  rank 1 waits in an allgather on another communicator while the others
              are in an allreduce: the report names its collective and call site; the
              timeout ends the job with the report as the reason
@@ -44,14 +45,16 @@ import mpicoll
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 CASE = sys.argv[1]
 SLEEP = float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
+TIMES = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 
 summed = jax.jit(lambda x: mpicoll.allreduce(x))
 summed(jnp.ones(4)).block_until_ready()  # COMM_WORLD's first use opens the side channel
 
 if CASE == "late":
-    if RANK == SIZE - 1:
-        time.sleep(SLEEP)
-    out = summed(jnp.ones(4))
+    for _ in range(TIMES):
+        if RANK == SIZE - 1:
+            time.sleep(SLEEP)
+        out = summed(jnp.ones(4))
     print(f"rank {RANK}: allreduce {out.tolist()}", flush=True)
 elif CASE == "elsewhere":
     other = MPI.COMM_WORLD.Dup()

@@ -293,6 +293,29 @@ inline const CallState* LongestWait(const RankState& s) {
   return longest;
 }
 
+// Every member of the wait's communicator has come to its call (is in it, or
+// has finished it): nobody holds it up.  Seen in a report gathered just as a
+// late rank arrived, the wait is ending; seen again a report later, a
+// transfer does not end (watchdog.h).
+inline bool EveryMemberCame(const std::vector<RankState>& states, const CallState& wait) {
+  if (wait.sequence == 0 || wait.call_hash == 0) return false;  // a wait inside a call
+  std::vector<int> members;
+  for (const Membership& m : WaitedMemberships()) {
+    if (m.hash == wait.comm_hash) members = m.members;
+  }
+  if (members.empty()) {
+    for (size_t r = 0; r < states.size(); ++r) members.push_back(static_cast<int>(r));
+  }
+  for (int r : members) {
+    if (r < 0 || r >= static_cast<int>(states.size()) || !states[r].Answered()) return false;
+    const CallState* on = states[r].On(wait.comm_hash);
+    if (!on || on->sequence < wait.sequence) return false;
+    const bool in_it = on->sequence == wait.sequence && on->phase != kPhaseDone;
+    if (in_it && on->call_hash != wait.call_hash) return false;  // another call: a mismatch
+  }
+  return true;
+}
+
 inline std::string StallReport(const std::vector<RankState>& states, int me, bool always) {
   const RankState& mine = states[me];
   const CallState* wait = LongestWait(mine);

@@ -202,6 +202,16 @@ inline void WriteStacksReport() {
   WriteFileAtomically(dir, "mpicoll-stacks-" + std::to_string(getpid()) + ".txt", text);
 }
 
+// When this rank's oldest wait in flight began (0: none).
+inline int64_t EarliestWaitStart() {
+  int64_t earliest = 0;
+  for (int d = 0; d <= kSetupSlot; ++d) {
+    const int64_t started = in_flight[d].started_ns.load(std::memory_order_acquire);
+    if (started != 0 && (earliest == 0 || started < earliest)) earliest = started;
+  }
+  return earliest;
+}
+
 inline void Watchdog() {
   // Every return (the loop checks watchdog.stop at least every 50 ms, the
   // state requests every 2 ms) tells StopWatchdog that no MPI call follows.
@@ -213,6 +223,7 @@ inline void Watchdog() {
   double next_probe = 0;     // s into that wait
   int64_t probed_ends = 0;   // ended_ranks.ChangedNs() at the last probe
   std::string last_verdict;  // a deadlock's key, to see it hold twice
+  int64_t came_seen = 0;     // the episode seen with every rank come to its call
   for (;;) {
     const double limit = watch_settings.timeout_seconds.load();
     const double stall = watch_settings.stall_report_seconds.load();
@@ -232,11 +243,7 @@ inline void Watchdog() {
     }
     if (signal_requests.stacks.exchange(false)) WriteStacksReport();
     const int64_t now = NowNs();
-    int64_t earliest = 0;
-    for (int d = 0; d <= kSetupSlot; ++d) {
-      const int64_t started = in_flight[d].started_ns.load(std::memory_order_acquire);
-      if (started != 0 && (earliest == 0 || started < earliest)) earliest = started;
-    }
+    const int64_t earliest = EarliestWaitStart();
     if (earliest == 0) continue;
     const double waited = (now - earliest) * 1e-9;
     if (earliest != episode) {
@@ -271,7 +278,15 @@ inline void Watchdog() {
     if (!timed_out && !(stall > 0 && waited >= next_report)) continue;
     std::vector<RankState> states = EveryRanksState(WaitedComms(), kForReport);
     if (watchdog.stop.load()) return;  // the wait ended and the process is exiting
+    // The wait ended while the states were gathered (the late rank came): a
+    // report now would be of the next wait, 0 s in, or of nobody.
+    if (EarliestWaitStart() != earliest) continue;
     std::string report = StallReport(states, me, /*always=*/false);
+    const CallState* longest = LongestWait(states[me]);
+    if (!timed_out && longest && EveryMemberCame(states, *longest) && came_seen != episode) {
+      came_seen = episode;  // ending as the late rank's call completes: look again later
+      report.clear();
+    }
     if (timed_out) {
       // One report for the job: the lowest stalled rank's.  The others give it
       // a moment to end the job, then end it themselves.  They answer its state
