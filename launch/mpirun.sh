@@ -24,8 +24,10 @@
 #                           survivors); refused for an MPI without it
 #   MPICOLL_MPIEXEC         an mpiexec to use instead of the venv's (a cluster's own)
 #   MPICOLL_LAUNCH_TIMEOUT  seconds (or 500ms, 10s, 10min, 2h, as mpicoll's settings);
-#                           the job is terminated (then killed) after that,
-#                           and the exit status is 124, so a deadlock cannot hang CI
+#                           at that limit the ranks are asked where they are (every
+#                           rank's collective or Python stack), then the job is
+#                           terminated (then killed), exit status 124, so a deadlock
+#                           cannot hang CI (launch/time_limit.sh)
 #   MPICOLL_LAUNCH_VERBOSE  1: print the final command line to stderr before running it
 #   MPICOLL_LAUNCH_TAG_OUTPUT  1: every line of output says which rank wrote it
 #                           (MPICH: "[1] text", -prepend-rank; Open MPI:
@@ -147,31 +149,13 @@ esac
 
 command=("$mpiexec" ${flags[@]+"${flags[@]}"} "$@")
 if [ -n "${MPICOLL_LAUNCH_TIMEOUT:-}" ]; then
-    # mpicoll's duration spellings (docs/settings.md: 10, 2.5, 500ms, 10s, 10min, 2h)
-    # in coreutils timeout's (which reads 10m as minutes and has no ms).
-    limit=$(echo "$MPICOLL_LAUNCH_TIMEOUT" | tr 'A-Z' 'a-z' | tr -d ' ')
-    case $limit in
-        *ms) limit=$(awk -v v="${limit%ms}" 'BEGIN { print v / 1000 }') ;;
-        *min) limit=${limit%min}m ;;
-        *[0-9]|*s|*h) ;;
-        *) die "MPICOLL_LAUNCH_TIMEOUT=$MPICOLL_LAUNCH_TIMEOUT: seconds, or with ms, s, min or h" ;;
-    esac
-    # TERM first, so mpiexec can take its ranks down; KILL 20 s later if it cannot.
-    command=(timeout --kill-after=20 "$limit" "${command[@]}")
+    # At the limit the ranks are asked where they are, then the job is ended.
+    command=("$project/launch/time_limit.sh" "$MPICOLL_LAUNCH_TIMEOUT" "$venv/bin/python"
+             "${command[@]}")
 fi
 if [ "${MPICOLL_LAUNCH_VERBOSE:-0}" = 1 ]; then
     echo "launch/mpirun.sh: [$flavor, $cores cores, ranks=${ranks:-?}]" \
          ${added_env[@]+"${added_env[@]}"} "${command[*]}" >&2
 fi
 
-if [ -z "${MPICOLL_LAUNCH_TIMEOUT:-}" ]; then
-    exec "${command[@]}"  # signals (Ctrl-C, scancel) go straight to mpiexec
-fi
-status=0
-"${command[@]}" || status=$?
-if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-    # (137: mpiexec ignored TERM and was killed -- or a rank was killed otherwise.)
-    echo "launch/mpirun.sh: exit $status: ended by MPICOLL_LAUNCH_TIMEOUT=$MPICOLL_LAUNCH_TIMEOUT s" \
-         "(a deadlock? ranks waiting in different collectives?): $*" >&2
-fi
-exit "$status"
+exec "${command[@]}"  # signals (Ctrl-C, scancel) go straight to mpiexec (or time_limit.sh)

@@ -317,6 +317,27 @@ def test_mpirun_sh_timeout(fake_mpiexec):
 
 
 @serial_only
+def test_a_launch_that_times_out_says_where_every_rank_is_first():
+    # Rank 1 sleeps in Python while rank 0 waits in an allreduce for it, past the
+    # launch's limit: before ending the job the launcher asks one of its ranks
+    # where every rank is (python -m mpicoll stacks on mpiexec's process).
+    program = ROOT / "tests" / "programs" / "stall.py"
+    start = time.monotonic()
+    result = subprocess.run([str(MPIRUN), "-n", "2", sys.executable, str(program), "late", "120"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env=_launch_env(MPICOLL_LAUNCH_TIMEOUT="8", MPICOLL_STALL_REPORT="0"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 124 and time.monotonic() - start < 60, out
+    assert "MPICOLL_LAUNCH_TIMEOUT=8 s reached; where the ranks are:" in out, out
+    assert re.search(r"  rank 0 \(.*\): in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, "
+                     r"sequence 2, called at .*stall\.py:\d+", out), out
+    assert re.search(r"  rank 1 \(.*\): not in an mpicoll collective for [\d.]+ s\n"
+                     r"    Python, main thread \(innermost first\):\n"
+                     r"      .*stall\.py:\d+ in <module>: time\.sleep\(SLEEP\)", out), out
+    assert "ended by MPICOLL_LAUNCH_TIMEOUT=8 s" in out, out
+
+
+@serial_only
 def test_mpirun_sh_without_venv(tmp_path):
     env = _launch_env(MPICOLL_VENV=str(tmp_path / "missing"))
     result = subprocess.run([str(MPIRUN), "-n", "1", "true"], capture_output=True, text=True,

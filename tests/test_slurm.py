@@ -12,6 +12,7 @@ start its own cluster.
 
 import os
 import shutil
+import re
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,21 @@ def test_a_global_mesh_program_in_a_batch_job(slurm):
     state, exit_code, text = submit(slurm, "examples/jax_vocabulary.py", "global")
     assert state == "COMPLETED" and exit_code == "0:0", text
     assert "global: matches numpy: True" in text
+
+
+def test_a_job_past_its_launch_timeout_says_where_every_rank_is(slurm):
+    """MPICOLL_LAUNCH_TIMEOUT: rank 1 sleeps while rank 0 waits in an allreduce; at the
+    limit every rank is asked where it is (launch/time_limit.sh), then the job ends."""
+    state, exit_code, text = submit(slurm, "tests/programs/stall.py", "late", "300",
+                                    env={"MPICOLL_LAUNCH_TIMEOUT": "15",
+                                         "MPICOLL_STALL_REPORT": "0"})
+    assert state == "FAILED" and exit_code == "124:0", text
+    assert "MPICOLL_LAUNCH_TIMEOUT=15 s reached; where the ranks are:" in text, text
+    assert re.search(r"  rank 0 \(.*\): in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD",
+                     text), text
+    assert re.search(r"  rank 1 \(.*\): not in an mpicoll collective for [\d.]+ s\n"
+                     r"    Python, main thread \(innermost first\):\n"
+                     r"      .*stall\.py:\d+ in <module>: time\.sleep\(SLEEP\)", text), text
 
 
 def test_plain_srun_is_caught(slurm):

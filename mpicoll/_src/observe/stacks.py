@@ -53,6 +53,39 @@ def mpicoll_processes():
     return sorted(found, key=lambda p: (p[1] is None, p[1] if p[1] is not None else 0, p[0]))
 
 
+def _parents():
+    """{pid: its parent's pid} for every process on this host."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:  # pid (comm) state ppid ...
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return parents
+
+
+def ranks_of_launcher(pid):
+    """[(pid, rank or None)] of the ranks that launcher `pid` (mpiexec, srun) started on
+    this host: the mpicoll processes among its descendants, or, for srun (whose tasks
+    are slurmstepd's children), those of its SLURM job."""
+    children = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if has_mpicoll(child):
+            found.append((child, _rank(_environment(child))))
+        todo.extend(children.get(child, []))
+    job = _environment(pid).get("SLURM_JOB_ID")
+    if not found and job:
+        found = [(p, rank) for p, rank in mpicoll_processes()
+                 if _environment(p).get("SLURM_JOB_ID") == job]
+    return sorted(found, key=lambda p: (p[1] is None, p[1] if p[1] is not None else 0, p[0]))
+
+
 def choose_process(processes):
     """The process to ask: the one rank 0 of a job on this host, else the lowest rank."""
     if not processes:

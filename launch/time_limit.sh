@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Run a job's launcher (mpiexec, srun) with a time limit that says where the ranks
+# are before it ends the job:
+#
+#   launch/time_limit.sh LIMIT PYTHON COMMAND...
+#
+# LIMIT: seconds, or with ms, s, min or h (mpicoll's duration spellings,
+# docs/settings.md).  PYTHON: a python with mpicoll (the job's venv's).  At the
+# limit it runs `PYTHON -m mpicoll stacks` on the launcher's process (its lowest
+# rank on this host: a descendant, or a task of its SLURM job), which prints every rank's
+# collective or Python stack to the job's output; then it sends TERM, so the
+# launcher can take its ranks down, and KILL 20 s later if it cannot.  Exit
+# status: the command's, else 124 (137 where KILL was needed), as coreutils
+# timeout's.  Used by launch/mpirun.sh and launch/slurm.sbatch
+# (MPICOLL_LAUNCH_TIMEOUT).
+set -uo pipefail
+
+[ $# -ge 3 ] || { echo "usage: launch/time_limit.sh LIMIT PYTHON COMMAND..." >&2; exit 2; }
+given=$1 python=$2
+shift 2
+# In sleep's spellings (which reads 10m as minutes and has no ms).
+limit=$(echo "$given" | tr 'A-Z' 'a-z' | tr -d ' ')
+case $limit in
+    *ms) limit=$(awk -v v="${limit%ms}" 'BEGIN { print v / 1000 }') ;;
+    *min) limit=${limit%min}m ;;
+    *[0-9]|*s|*h) ;;
+    *) echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given: seconds, or with ms, s, min or h" >&2; exit 2 ;;
+esac
+
+verdict=$(mktemp "${TMPDIR:-/tmp}/mpicoll-launch-XXXXXX")
+"$@" &
+job=$!
+trap 'kill -TERM "$job" 2>/dev/null || true' INT TERM  # Ctrl-C, scancel: to the launcher
+(
+    sleep "$limit"
+    kill -0 "$job" 2>/dev/null || exit 0
+    echo 124 > "$verdict"
+    echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given s reached; where the ranks are:" >&2
+    timeout -s KILL 30 "$python" -m mpicoll stacks "$job" > /dev/null
+    kill -TERM "$job" 2>/dev/null || exit 0
+    sleep 20
+    if kill -0 "$job" 2>/dev/null; then echo 137 > "$verdict"; kill -KILL "$job" 2>/dev/null; fi
+) &
+watcher=$!
+status=0
+wait "$job" || status=$?
+while kill -0 "$job" 2>/dev/null; do  # wait returned for a signal the trap forwarded
+    status=0
+    wait "$job" || status=$?
+done
+pkill -P "$watcher" 2>/dev/null
+kill "$watcher" 2>/dev/null
+if [ -s "$verdict" ]; then
+    status=$(cat "$verdict")
+    echo "launch: exit $status: ended by MPICOLL_LAUNCH_TIMEOUT=$given s" \
+         "(a deadlock? ranks waiting in different collectives?): $*" >&2
+fi
+rm -f "$verdict"
+exit "$status"
