@@ -6,9 +6,10 @@
 #
 # LIMIT: seconds, or with ms, s, min or h (mpicoll's duration spellings,
 # docs/settings.md).  PYTHON: a python with mpicoll (the job's venv's).  At the
-# limit it runs `PYTHON -m mpicoll stacks` on the launcher's process (its lowest
-# rank on this host: a descendant, or a task of its SLURM job), which prints every rank's
-# collective or Python stack to the job's output; then it sends TERM, so the
+# limit it runs `PYTHON -m mpicoll stacks --launcher` on the launcher's process
+# (which asks the job's rank 0 on this host, else its lowest: a descendant, or a
+# task of its SLURM job), and that rank prints every rank's collective or Python
+# stack to the job's output; then it sends TERM, so the
 # launcher can take its ranks down, and KILL 20 s later if it cannot.  Exit
 # status: the command's, else 124 (137 where KILL was needed), as coreutils
 # timeout's.  Used by launch/mpirun.sh and launch/slurm.sbatch
@@ -36,7 +37,7 @@ trap 'kill -TERM "$job" 2>/dev/null || true' INT TERM  # Ctrl-C, scancel: to the
     kill -0 "$job" 2>/dev/null || exit 0
     echo 124 > "$verdict"
     echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given s reached; where the ranks are:" >&2
-    timeout -s KILL 30 "$python" -m mpicoll stacks "$job" > /dev/null
+    timeout -s KILL 30 "$python" -m mpicoll stacks --launcher "$job" > /dev/null
     kill -TERM "$job" 2>/dev/null || exit 0
     sleep 20
     if kill -0 "$job" 2>/dev/null; then echo 137 > "$verdict"; kill -KILL "$job" 2>/dev/null; fi

@@ -36,11 +36,11 @@ commands:
           one clock: writes DIR/merged.json (wait and transfer spans, for ui.perfetto.dev)
           and DIR/timeline.svg, and prints each rank's wait and transfer and names the
           straggler, each call site's first call (compilation) left out (--all: counted)
-  stacks [PID]
+  stacks [PID | --launcher PID]
           where every rank of a live job is: its collective, or its Python stack (main
-          thread, and threads inside JAX); asks one rank on this host (PID: a rank's
-          process, or its launcher's, such as mpiexec's; else the job's rank 0 here) with
-          SIGUSR2, which asks the others (run it outside mpiexec)"""
+          thread, and threads inside JAX); asks one rank on this host (PID, else the job's
+          rank 0 here; --launcher PID: a rank that launcher, mpiexec or srun, started
+          here) with SIGUSR2, which asks the others (run it outside mpiexec)"""
 
 _THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED",
                   "MPI_THREAD_MULTIPLE")
@@ -459,24 +459,24 @@ def trace(argv):
 
 
 def stacks(argv):
-    """`stacks [PID]`: where every rank of a live job is, asked through one rank on this host."""
-    from ._src.observe.stacks import (ask, choose_process, has_mpicoll, mpicoll_processes,
-                                      ranks_of_launcher)
+    """`stacks [PID | --launcher PID]`: where every rank of a live job is, asked through
+    one rank on this host."""
+    from ._src.observe.stacks import ask, choose_process, mpicoll_processes, ranks_of_launcher
 
-    if len(argv) > 1 or (argv and not argv[0].isdigit()):
-        print(f"python -m mpicoll stacks: give at most one process id\n{USAGE}", file=sys.stderr)
+    launcher = argv[:1] == ["--launcher"]
+    given = argv[1:] if launcher else argv
+    if len(given) > 1 or (given and not given[0].isdigit()) or (launcher and not given):
+        print(f"python -m mpicoll stacks: give at most one process id (--launcher: one)\n{USAGE}",
+              file=sys.stderr)
         return 2
     try:
-        if not argv:
-            pid = choose_process(mpicoll_processes())
-        elif has_mpicoll(int(argv[0])):
-            pid = int(argv[0])
-        else:  # a launcher's: its lowest rank here
-            ranks = ranks_of_launcher(int(argv[0]))
+        if launcher:  # the job that launcher started: its rank 0 here, else its lowest
+            ranks = ranks_of_launcher(int(given[0]))
             if not ranks:
-                raise LookupError(f"process {argv[0]} is neither an mpicoll rank nor a launcher "
-                                  "of one on this host")
-            pid = ranks[0][0]
+                raise LookupError(f"process {given[0]} launched no mpicoll rank on this host")
+            pid = choose_process(ranks)
+        else:
+            pid = int(given[0]) if given else choose_process(mpicoll_processes())
         print(ask(pid), end="")
     except (LookupError, TimeoutError, ProcessLookupError, PermissionError) as error:
         print(f"python -m mpicoll stacks: {error}", file=sys.stderr)

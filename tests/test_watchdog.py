@@ -392,3 +392,10 @@ def test_the_stacks_command_runs_without_mpi_and_signals_only_mpicoll_ranks():
     imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
                 if line.startswith("import time:")}
     assert "mpicoll._src.observe.stacks" in imported and not imported & {"jax", "mpi4py"}, imported
+    # --launcher: only the ranks a launcher started (its descendants) are asked.
+    with subprocess.Popen(["sleep", "60"]) as not_a_launcher:
+        done = subprocess.run([sys.executable, "-m", "mpicoll", "stacks", "--launcher",
+                               str(not_a_launcher.pid)], capture_output=True, text=True, timeout=60)
+        not_a_launcher.kill()
+    assert done.returncode == 1 and (f"process {not_a_launcher.pid} launched no mpicoll rank on "
+                                     "this host") in done.stderr, done.stderr
