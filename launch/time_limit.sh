@@ -28,33 +28,34 @@ case $limit in
     *) echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given: seconds, or with ms, s, min or h" >&2; exit 2 ;;
 esac
 
-verdict=$(mktemp "${TMPDIR:-/tmp}/mpicoll-launch-XXXXXX")
+ended_by=""  # the watcher's signals: 124 when the limit ended the job, 137 when KILL did
+trap 'ended_by=${ended_by:-124}' USR1
+trap 'ended_by=137' USR2
 "$@" &
 job=$!
 trap 'kill -TERM "$job" 2>/dev/null || true' INT TERM  # Ctrl-C, scancel: to the launcher
 (
     sleep "$limit"
     kill -0 "$job" 2>/dev/null || exit 0
-    echo 124 > "$verdict"
+    kill -USR1 $$
     echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given s reached; where the ranks are:" >&2
     timeout -s KILL 30 "$python" -m mpicoll stacks --launcher "$job" > /dev/null
     kill -TERM "$job" 2>/dev/null || exit 0
     sleep 20
-    if kill -0 "$job" 2>/dev/null; then echo 137 > "$verdict"; kill -KILL "$job" 2>/dev/null; fi
+    if kill -0 "$job" 2>/dev/null; then kill -USR2 $$; kill -KILL "$job" 2>/dev/null; fi
 ) &
 watcher=$!
 status=0
 wait "$job" || status=$?
-while kill -0 "$job" 2>/dev/null; do  # wait returned for a signal the trap forwarded
+while kill -0 "$job" 2>/dev/null; do  # wait returned for a signal: the trap's, or the watcher's
     status=0
     wait "$job" || status=$?
 done
 pkill -P "$watcher" 2>/dev/null
 kill "$watcher" 2>/dev/null
-if [ -s "$verdict" ]; then
-    status=$(cat "$verdict")
+if [ -n "$ended_by" ]; then
+    status=$ended_by
     echo "launch: exit $status: ended by MPICOLL_LAUNCH_TIMEOUT=$given s" \
          "(a deadlock? ranks waiting in different collectives?): $*" >&2
 fi
-rm -f "$verdict"
 exit "$status"

@@ -73,17 +73,17 @@ def ranks_of_launcher(pid):
     children = {}
     for child, parent in _parents().items():
         children.setdefault(parent, []).append(child)
-    found, todo = [], list(children.get(pid, []))
+    descendants, todo = set(), [pid]
     while todo:
-        child = todo.pop()
-        if has_mpicoll(child):
-            found.append((child, _rank(_environment(child))))
-        todo.extend(children.get(child, []))
+        below = children.get(todo.pop(), [])
+        descendants.update(below)
+        todo.extend(below)
+    ranks = mpicoll_processes()
+    launched = [(p, rank) for p, rank in ranks if p in descendants]
     job = _environment(pid).get("SLURM_JOB_ID")
-    if not found and job:
-        found = [(p, rank) for p, rank in mpicoll_processes()
-                 if _environment(p).get("SLURM_JOB_ID") == job]
-    return sorted(found, key=lambda p: (p[1] is None, p[1] if p[1] is not None else 0, p[0]))
+    if not launched and job:
+        launched = [(p, rank) for p, rank in ranks if _environment(p).get("SLURM_JOB_ID") == job]
+    return launched
 
 
 def choose_process(processes):
