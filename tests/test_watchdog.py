@@ -389,6 +389,20 @@ def test_a_process_reads_its_own_python_stack_as_a_report_prints_it():
     assert len(lines) == 5 and all(" in " in line for line in lines[1:]), text  # 4 frames
 
 
+def test_reading_stacks_while_frames_and_threads_churn_never_crashes_the_process():
+    # The read takes no GIL: a frame returning (its data-stack chunk freed) or a
+    # thread ending as it is walked makes it fault; the guard (python_stacks.h,
+    # ReadGuarded) abandons that read and tries again.  Unguarded, this process
+    # crashed (SIGSEGV) within 2 s.
+    done = subprocess.run([sys.executable, str(PROGRAM.parent / "stack_reads.py"), "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reads, main, unreadable, rounds = map(int, re.findall(r"\d+", done.stdout))
+    assert rounds > 100 and reads > 1000, done.stdout
+    # Every read shows the main thread's frames or says it could not be read.
+    assert main + unreadable == reads and unreadable < reads / 20, done.stdout
+
+
 def test_the_stacks_command_runs_without_mpi_and_signals_only_mpicoll_ranks():
     # Offline (no MPI, no JAX: it runs beside the job it asks), and a process
     # that is not an mpicoll rank (here PID 1) is refused, never signalled.

@@ -8,22 +8,26 @@
 // rank whose main thread holds the GIL in a C extension (a long BLAS call, a
 // ctypes.PyDLL function) still answers.  The function is looked up at run time
 // (dlsym): a Python that does not export it gets a line saying so instead.
-// Read for reports and on request only, never for the watchdog's probes: the
-// walk takes no lock, so a thread ending at that moment could be read as it is
-// freed (faulthandler's own caveat), a risk for a job already stuck, not for a
-// healthy one.
+// Read for reports and on request only, never for the watchdog's probes.  The
+// walk takes no lock, so it races with the threads it reads: see ReadGuarded.
 #pragma once
 
 #include <dlfcn.h>
+#include <setjmp.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace mpicoll {
@@ -165,9 +169,65 @@ inline std::string FramesText(const PythonThread& thread, int most) {
   return text;
 }
 
+// Reading another thread's frames without the GIL races with that thread: a
+// frame popped meanwhile may free its data-stack chunk (a deep recursion
+// returning), a thread that ends frees its thread state, and the walk then
+// reads unmapped memory.  A reader against recursion and threads coming and
+// going crashed the process within 2 s (tests/programs/stack_reads.py).  So the
+// read runs under a fault guard: while it runs, SIGSEGV or SIGBUS on the
+// reading thread jumps back out of it and the read is tried again.  Jumping out
+// is sound because the walk is written to run in a signal handler
+// (faulthandler's): it takes no lock and allocates nothing.  A fault on any
+// other thread meanwhile puts the previous handlers back and meets them (the
+// faulting instruction runs again, a sent signal is sent again), as if the
+// guard had not been there.
+struct FaultGuard {
+  std::mutex one_reader;           // the watchdog, or python_stacks() from Python
+  std::atomic<pid_t> reader{0};    // the reading thread's id while it reads
+  sigjmp_buf back;
+  struct sigaction previous_segv = {}, previous_bus = {};
+};
+inline FaultGuard fault_guard;
+
+inline void RestoreFaultHandlers() {
+  sigaction(SIGSEGV, &fault_guard.previous_segv, nullptr);
+  sigaction(SIGBUS, &fault_guard.previous_bus, nullptr);
+}
+
+inline void OnReadFault(int signal, siginfo_t* info, void*) {
+  if (static_cast<pid_t>(syscall(SYS_gettid)) == fault_guard.reader.load()) {
+    siglongjmp(fault_guard.back, 1);
+  }
+  RestoreFaultHandlers();
+  if (info->si_code <= 0) raise(signal);  // sent by a process, not met: send it again
+}
+
+using DumpThreads = const char* (*)(int, void*, void*);
+
+// One walk of every thread into `fd`; false: it faulted (fd holds part of it).
+inline bool ReadGuarded(DumpThreads dump, int fd, void* interpreter, const char** error) {
+  std::lock_guard<std::mutex> one_at_a_time(fault_guard.one_reader);
+  struct sigaction guard = {};
+  sigemptyset(&guard.sa_mask);
+  guard.sa_flags = SA_SIGINFO;
+  guard.sa_sigaction = OnReadFault;
+  sigaction(SIGSEGV, &guard, &fault_guard.previous_segv);
+  sigaction(SIGBUS, &guard, &fault_guard.previous_bus);
+  volatile bool walked = false;
+  if (sigsetjmp(fault_guard.back, /*savemask=*/1) == 0) {
+    fault_guard.reader.store(static_cast<pid_t>(syscall(SYS_gettid)));
+    *error = dump(fd, interpreter, nullptr);
+    walked = true;
+  }
+  fault_guard.reader.store(0);
+  RestoreFaultHandlers();
+  return walked;
+}
+
+constexpr int kStackReadTries = 3;  // a thread busy in Python moves on between tries
+
 // faulthandler's dump of every thread of the interpreter, into a memory file.
 inline std::string DumpPythonThreads(std::string* why_not) {
-  using DumpThreads = const char* (*)(int, void*, void*);
   static const DumpThreads dump =
       reinterpret_cast<DumpThreads>(dlsym(RTLD_DEFAULT, "_Py_DumpTracebackThreads"));
   void* interpreter = watched_python.interpreter.load();
@@ -180,15 +240,25 @@ inline std::string DumpPythonThreads(std::string* why_not) {
     *why_not = "no memory file";
     return std::string();
   }
-  const char* error = dump(fd, interpreter, nullptr);
+  const char* error = nullptr;
+  bool walked = false;
+  for (int attempt = 0; attempt < kStackReadTries && !walked; ++attempt) {
+    if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (ftruncate(fd, 0) != 0 || lseek(fd, 0, SEEK_SET) != 0) break;
+    walked = ReadGuarded(dump, fd, interpreter, &error);
+  }
   std::string text;
-  if (lseek(fd, 0, SEEK_SET) == 0) {
+  if (walked && lseek(fd, 0, SEEK_SET) == 0) {
     char buffer[4096];
     ssize_t got;
     while ((got = read(fd, buffer, sizeof(buffer))) > 0) text.append(buffer, got);
   }
   close(fd);
-  if (error && text.empty()) *why_not = error;
+  if (!walked) {
+    *why_not = "it changed under each of " + std::to_string(kStackReadTries) + " reads";
+  } else if (error && text.empty()) {
+    *why_not = error;
+  }
   return text;
 }
 
