@@ -14,6 +14,11 @@ across the ranks, four ways, inside jax.jit (one call per dispatch):
                     P("dev")) on the same P("d") data: what users wrote before
   one device        mpicoll.allreduce(x) on a single-device array of the same bytes
 
+Then a gradient pytree: --leaves float32 leaves of --leaf-kib KiB each, laid out
+as P("d") and replicated, allreduced inside jax.jit as one tree (its leaves travel
+fused: each device's shards in one MPI message) and as one call per leaf (what
+a tree cost before its leaves fused); each row prints the per-leaf / tree ratio.
+
 Timing: warm-up, then the median over --repeats runs of --inner calls, each
 started together (a barrier) and taken as the slowest rank's time, always with
 block_until_ready(); every result checked against numpy.  The four ways take
@@ -46,9 +51,9 @@ def timed(fn, x, repeats, inner):
     def calls():
         for _ in range(inner):
             out = fn(x)
-        return out.block_until_ready()
+        return jax.block_until_ready(out)
 
-    out = fn(x).block_until_ready()  # warm-up
+    out = jax.block_until_ready(fn(x))  # warm-up
     times = []
     for _ in range(repeats):
         out, seconds = TIMER.time_call(calls)
@@ -62,7 +67,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--leaves", type=int, default=64)
+    parser.add_argument("--leaf-kib", type=float, default=4.0)
     args = parser.parse_args()
+    one_array(args)
+    pytree(args)
+
+
+def one_array(args):
     devices = jax.local_device_count()
     count = int(args.mib * 2**20 / 4) // devices * devices
     rank, size = COMM.Get_rank(), COMM.Get_size()
@@ -101,6 +113,39 @@ def main():
             ratios = [t / b for t, b in zip(times, base)]
             print(f"  {name:<30} {statistics.median(times) * 1e6:10.1f}   "
                   f"{statistics.median(ratios):5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def pytree(args):
+    devices = jax.local_device_count()
+    count = int(args.leaf_kib * 1024 / 4) // devices * devices
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+    mesh = jax.make_mesh((devices,), ("d",))
+    leaves = [np.arange(count, dtype=np.float32) % 100 + i + rank for i in range(args.leaves)]
+    wants = [sum(np.arange(count, dtype=np.float32) % 100 + i + r for r in range(size))
+             for i in range(args.leaves)]
+    as_tree = jax.jit(mpicoll.allreduce)
+    per_leaf = jax.jit(lambda tree: [mpicoll.allreduce(leaf) for leaf in tree])
+    rows = []
+    for layout, spec in (('P("d")', P("d")), ("replicated", P())):
+        tree = [jax.device_put(leaf, NamedSharding(mesh, spec)) for leaf in leaves]
+        rows += [(f"{layout}, the tree", as_tree, tree),
+                 (f"{layout}, a call per leaf", per_leaf, tree)]
+    rounds = {name: [] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, fn, tree in rows:
+            seconds, out = timed(fn, tree, args.repeats, args.inner)
+            if not all(np.allclose(np.asarray(o), w) for o, w in zip(out, wants)):
+                raise SystemExit(f"{name}: wrong result")
+            rounds[name].append(seconds)
+    if rank == 0:
+        print(f"allreduce of a pytree of {args.leaves} x {args.leaf_kib:g} KiB float32 leaves: "
+              f"us per call (as above); ratio a call per leaf / the tree")
+        for (name, _, _), (other, _, _) in zip(rows[::2], rows[1::2]):
+            ratios = [b / a for a, b in zip(rounds[name], rounds[other])]
+            for row in (name, other):
+                print(f"  {row:<30} {statistics.median(rounds[row]) * 1e6:10.1f}")
+            print(f"  {'':<30} {'':>10}   {statistics.median(ratios):5.2f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

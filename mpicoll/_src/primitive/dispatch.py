@@ -242,24 +242,14 @@ def collective(spec, x, **kwargs):
     layouts = [sharded.layout_of(leaf, spec.name) for leaf in leaves]
     laid_out = next((layout for layout in layouts if layout is not None), None)
     if laid_out is not None:
-        # Leaves over several devices do not fuse: each moves its own shards, and
-        # a leaf without a layout is replicated over the same devices.
-        return jax.tree.unflatten(treedef, [
-            bind(spec, leaf, layout=layout or sharded.Layout(laid_out.mesh, (), jnp.ndim(leaf)),
-                 **kwargs)
-            for leaf, layout in zip(leaves, layouts)])
-    leaves = validate.agreed(kwargs["comm"], spec.name, validate.each_leaf, x, leaves,
-                             lambda leaf: validate.as_array(leaf, spec.name))
-    info = kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
-    checks = functools.partial(validate.check_leaves, info=info, root=kwargs.get("root", 0),
-                               op=kwargs.get("op"))
-    validate.agreed(info, spec.name, checks, spec, x, leaves)  # every leaf, before any MPI
-    if spec.reduces:
-        kwargs["op"] = dtypes.op_name(kwargs["op"], spec.name)
+        # A leaf without a layout is replicated over the same devices.
+        layouts = [layout or sharded.Layout(laid_out.mesh, (), jnp.ndim(leaf))
+                   for leaf, layout in zip(leaves, layouts)]
+        return jax.tree.unflatten(treedef, _sharded_leaves(spec, leaves, layouts, **kwargs))
+    leaves = _validated_leaves(spec, x, leaves, kwargs)
     if not _compat.at_top_level():  # one program for the tree, its messages in order
-        program = _fused_program(spec, ordered=True, alias=True, overlapped=overlapped_now(),
-                                 **kwargs)
-        return jax.tree.unflatten(treedef, program(tuple(leaves)))
+        return jax.tree.unflatten(treedef, _traced_leaves(spec, leaves, overlapped_now(), False,
+                                                          **kwargs))
     # Eagerly, each message runs like an eager array call: its own cached
     # program, synchronously and without the ordered effect, so JAX dispatches
     # it on its C++ fast path (a program with effects takes its Python path,
@@ -273,6 +263,67 @@ def collective(spec, x, **kwargs):
         for i, out in zip(indices, outs):
             results[i] = out
     return jax.tree.unflatten(treedef, results)
+
+
+def _validated_leaves(spec, x, leaves, kwargs):
+    """The leaves as arrays, checked the same on every rank before any MPI call;
+    kwargs' comm resolved and op named, in place."""
+    leaves = validate.agreed(kwargs["comm"], spec.name, validate.each_leaf, x, leaves,
+                             lambda leaf: validate.as_array(leaf, spec.name))
+    info = kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
+    checks = functools.partial(validate.check_leaves, info=info, root=kwargs.get("root", 0),
+                               op=kwargs.get("op"))
+    validate.agreed(info, spec.name, checks, spec, x, leaves)  # every leaf, before any MPI
+    if spec.reduces:
+        kwargs["op"] = dtypes.op_name(kwargs["op"], spec.name)
+    return leaves
+
+
+def _traced_leaves(spec, leaves, overlapped, here_once_arrived, **kwargs):
+    """Validated leaves' fused messages, traced in order."""
+    program = _fused_program(spec, ordered=True, alias=True, overlapped=overlapped,
+                             here_once_arrived=here_once_arrived, **kwargs)
+    return program(tuple(leaves))
+
+
+def _sharded_leaves(spec, leaves, layouts, **kwargs):
+    """Leaves laid out over a process's devices (sharded.py): one manual region over
+    their mesh, in which each device's shards travel fused, as one device's
+    leaves do (sharded.tree_region).  Leaves over several meshes, or of a
+    collective without a fused form, take a region each."""
+    mesh = layouts[0].mesh
+    if spec.fused is None or any(layout.mesh != mesh for layout in layouts):
+        return [bind(spec, leaf, layout=layout, **kwargs)
+                for leaf, layout in zip(leaves, layouts)]
+    for leaf, layout in zip(leaves, layouts):
+        sharded.check(spec.name, leaf, layout)
+    kwargs["comm"] = comm_layer.resolve(kwargs["comm"], spec.name)
+    # As for one sharded array (_sharded): no XLA thread waits in MPI for a rank
+    # that has not arrived.
+    overlapped = _on_cpu(leaves[0])
+
+    def each_device(shards):
+        fields = dict(kwargs)
+        shards = _validated_leaves(spec, shards, list(shards), fields)
+        return _traced_leaves(spec, shards, overlapped, True, **fields)
+
+    def region():
+        return sharded.tree_region(spec.name, layouts, each_device, FUSION_LEAF_BYTES)
+
+    if not _compat.at_top_level():
+        return region()(tuple(leaves))
+    key = (spec.name, tuple(layout.key() for layout in layouts), kwargs["comm"].slot,
+           tuple(sorted((name, value) for name, value in kwargs.items() if name != "comm")))
+    try:
+        program = _SHARDED_PROGRAMS.get(key)
+    except TypeError:  # an unhashable op: not cached
+        key, program = None, None
+    if program is None:
+        program = jax.jit(region())
+        if key is not None:
+            _SHARDED_PROGRAMS[key] = program
+    after_pending_programs()
+    return run_eagerly(program, tuple(leaves))
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,7 +349,7 @@ def messages(leaves):
     return grouped
 
 
-def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
+def _fused_leaves(spec, leaves, ordered, alias, overlapped, here_once_arrived=False, **kwargs):
     grouped = messages(leaves)
     # Without the ordered effect nothing orders two messages in one program.
     assert ordered or len(grouped) == 1, "an unordered program holds one message"
@@ -306,12 +357,15 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, **kwargs):
     for indices in grouped:
         if len(indices) == 1:
             results[indices[0]] = bind(spec, leaves[indices[0]], ordered=ordered, alias=alias,
-                                       overlapped=overlapped, **kwargs)
+                                       overlapped=overlapped, here_once_arrived=here_once_arrived,
+                                       **kwargs)
             continue
         _, params = validate.validated_params(spec, leaves[indices[0]], kwargs["comm"],
                                               kwargs.get("root", 0), kwargs.get("op"), False)
         if overlapped:
             params["overlapped"] = True
+            if here_once_arrived:
+                params["here_once_arrived"] = True
         outs = spec.fused.bind(
             *(varying.typed_input(leaves[i], kwargs["comm"]) for i in indices),
             **varying.typed_params(params),

@@ -14,7 +14,9 @@ mpicoll's custom call (a side-effecting call it cannot partition).  Devices
 that hold the same shard (a mesh axis the spec does not name: replicated) split
 it: each moves 1/R of it, and the R pieces are gathered back within the
 process, so a replicated array crosses the network once per process, not once
-per device.  On CPU no XLA thread waits in MPI for a rank that has not
+per device.  A pytree's leaves over one mesh run in one region, each device's
+shards fused into one MPI message per dtype (a small replicated leaf whole:
+tree_region).  On CPU no XLA thread waits in MPI for a rank that has not
 arrived: a per-device call runs on XLA's thread once every rank is in it, else
 on the device's progress thread (as mpicoll.overlap() does), so XLA's own
 collectives of the same program can always rendezvous (the argument of
@@ -197,11 +199,34 @@ def region(name, layout, family, call):
 
     def per_device(shard):
         if split:
-            return _split_over_replicas(name, shard, layout, call)
+            piece, whole = _replica_piece(name, shard, layout)
+            return whole(call(piece))
         return call(shard)
 
     return jax.shard_map(per_device, mesh=layout.mesh, in_specs=layout.spec,
                          out_specs=out_spec(name, layout), check_vma=False)
+
+
+def tree_region(name, layouts, call, split_above):
+    """jax.shard_map over the layouts' one mesh of call(shards), a blocks-family
+    collective of a tuple of one device's shards (fused: dispatch.py).  A
+    replicated shard of over `split_above` bytes is split as region() splits
+    it; a smaller one travels whole on each replica, in the fused message, where
+    a gather within the process would cost more than its bytes."""
+    def per_device(shards):
+        pieces, wholes = [], []
+        for shard, layout in zip(shards, layouts):
+            split = layout.replicated and shard.size * shard.dtype.itemsize > split_above
+            piece, whole = (_replica_piece(name, shard, layout) if split
+                            else (shard, lambda out: out))
+            pieces.append(piece)
+            wholes.append(whole)
+        return tuple(whole(out) for whole, out in zip(wholes, call(tuple(pieces))))
+
+    return jax.shard_map(per_device, mesh=layouts[0].mesh,
+                         in_specs=(tuple(layout.spec for layout in layouts),),
+                         out_specs=tuple(out_spec(name, layout) for layout in layouts),
+                         check_vma=False)
 
 
 def _replica_index(layout):
@@ -211,9 +236,10 @@ def _replica_index(layout):
     return index
 
 
-def _split_over_replicas(name, shard, layout, call):
-    """call() on this replica's 1/R of the shard's elements, the R results gathered
-    within the process: each replicated byte crosses the network once per process.
+def _replica_piece(name, shard, layout):
+    """This replica's 1/R of the shard's elements, and the function that makes the
+    call's result on that piece whole again (the R results gathered within the
+    process): each replicated byte crosses the network once per process.
 
     Every blocks-family collective treats the elements after its leading ranks
     dimension (if any) position by position, so a slice of them is the same
@@ -224,14 +250,17 @@ def _split_over_replicas(name, shard, layout, call):
     rest = shard.shape[lead_in:]
     count = math.prod(rest)
     if count < replicas:  # nothing worth splitting: each replica moves its own copy
-        return call(shard)
+        return shard, lambda out: out
     piece = -(-count // replicas)
     flat = shard.reshape(lead + (count,))
     if piece * replicas != count:
         pad = [(0, 0)] * lead_in + [(0, piece * replicas - count)]
         flat = jnp.pad(flat, pad)
     mine = lax.dynamic_slice_in_dim(flat, _replica_index(layout) * piece, piece, axis=lead_in)
-    out = call(mine)
-    whole = unrouted_lax.all_gather(out, layout.replicated, axis=out.ndim - 1, tiled=True)
-    out_lead = out.shape[:-1]
-    return lax.slice_in_dim(whole, 0, count, axis=out.ndim - 1).reshape(out_lead + rest)
+
+    def whole(out):
+        gathered = unrouted_lax.all_gather(out, layout.replicated, axis=out.ndim - 1, tiled=True)
+        out_lead = out.shape[:-1]
+        return lax.slice_in_dim(gathered, 0, count, axis=out.ndim - 1).reshape(out_lead + rest)
+
+    return mine, whole
