@@ -53,11 +53,18 @@ def bind(spec, x, *, comm, root=0, op=None, transpose_sums=False, ordered=True, 
     x, params = agree(info, spec.name, validate.validated_params, spec, x, info, root, op,
                       transpose_sums, static)
     x, params = varying.typed_input(x, info), varying.typed_params(params)
-    if overlapped_now() if overlapped is None else overlapped:
+    _mark_overlapped(params, overlapped_now() if overlapped is None else overlapped,
+                     here_once_arrived)
+    return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
+
+
+def _mark_overlapped(params, overlapped, here_once_arrived):
+    """Adds the params of a call run on the progress thread (define.py lowers it to
+    the overlapped handler), present only on such calls."""
+    if overlapped:
         params["overlapped"] = True
         if here_once_arrived:
             params["here_once_arrived"] = True
-    return spec.primitive.bind(x, **params, ordered=ordered, alias=alias)
 
 
 def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
@@ -73,17 +80,23 @@ def _sharded(spec, x, layout, *, comm, root, op, transpose_sums, static):
     if not _compat.at_top_level():
         return sharded.run(spec.name, x, layout, call, spec.family)
     key = (spec.name, layout.key(), info.slot, root, op, transpose_sums, static)
+    return _run_sharded_eagerly(key, lambda: functools.partial(
+        sharded.run, spec.name, layout=layout, call=call, family=spec.family), x)
+
+
+def _run_sharded_eagerly(key, region, x):
+    """A sharded call outside any trace: region() jitted (cached by key), run now,
+    after pending programs; outside any context mesh, as the program names its mesh."""
     try:
         program = _SHARDED_PROGRAMS.get(key)
     except TypeError:  # an unhashable op or static argument: not cached
         key, program = None, None
     if program is None:
-        program = jax.jit(functools.partial(sharded.run, spec.name, layout=layout, call=call,
-                                            family=spec.family))
+        program = jax.jit(region())
         if key is not None:
             _SHARDED_PROGRAMS[key] = program
     after_pending_programs()
-    return run_eagerly(program, x)  # outside any context mesh: the program names its mesh
+    return run_eagerly(program, x)
 
 
 _SHARDED_PROGRAMS = {}
@@ -314,16 +327,7 @@ def _sharded_leaves(spec, leaves, layouts, **kwargs):
         return region()(tuple(leaves))
     key = (spec.name, tuple(layout.key() for layout in layouts), kwargs["comm"].slot,
            tuple(sorted((name, value) for name, value in kwargs.items() if name != "comm")))
-    try:
-        program = _SHARDED_PROGRAMS.get(key)
-    except TypeError:  # an unhashable op: not cached
-        key, program = None, None
-    if program is None:
-        program = jax.jit(region())
-        if key is not None:
-            _SHARDED_PROGRAMS[key] = program
-    after_pending_programs()
-    return run_eagerly(program, tuple(leaves))
+    return _run_sharded_eagerly(key, region, tuple(leaves))
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,10 +366,7 @@ def _fused_leaves(spec, leaves, ordered, alias, overlapped, here_once_arrived=Fa
             continue
         _, params = validate.validated_params(spec, leaves[indices[0]], kwargs["comm"],
                                               kwargs.get("root", 0), kwargs.get("op"), False)
-        if overlapped:
-            params["overlapped"] = True
-            if here_once_arrived:
-                params["here_once_arrived"] = True
+        _mark_overlapped(params, overlapped, here_once_arrived)
         outs = spec.fused.bind(
             *(varying.typed_input(leaves[i], kwargs["comm"]) for i in indices),
             **varying.typed_params(params),
