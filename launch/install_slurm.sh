@@ -33,8 +33,10 @@ if ! apt-get update -qq; then
     echo "install_slurm: apt-get update failed; the SLURM test will skip"
     exit 0
 fi
-if ! apt-get install -y -qq --no-install-recommends slurm-wlm munge >/tmp/install_slurm.log 2>&1; then
-    tail -n 20 /tmp/install_slurm.log
+# The log in a fresh file of mktemp's (a fixed /tmp name could be another user's link).
+log=$(mktemp "${TMPDIR:-/tmp}/install_slurm.XXXXXX.log")
+if ! apt-get install -y -qq --no-install-recommends slurm-wlm munge >"$log" 2>&1; then
+    tail -n 20 "$log"
     echo "install_slurm: apt-get install failed; the SLURM test will skip"
     exit 0
 fi

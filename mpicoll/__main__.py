@@ -320,11 +320,16 @@ def _duplicate_local_ranks(reports):
 def _install_lines():
     """What mpicoll changed in JAX, XLA and the process at import, in order (the same
     on every rank)."""
-    from ._src.install import installed
-    steps = installed()
-    width = max(len(name) for name, _, _ in steps)
+    from ._src.install import installed, installed_later
+    steps, later = installed(), installed_later()
+    width = max(len(name) for name, _, _ in steps + later)
     lines = ["changes:       (made at import, in this order: mpicoll/_src/install.py)"]
     for name, changes, outcome in steps:
+        lines.append(f"  {name:<{width}}  {changes}")
+        lines.append(f"  {'':<{width}}    here: {outcome}")
+    if later:
+        lines.append("  and since, by mpicoll.distributed.initialize():")
+    for name, changes, outcome in later:
         lines.append(f"  {name:<{width}}  {changes}")
         lines.append(f"  {'':<{width}}    here: {outcome}")
     return lines
@@ -478,7 +483,7 @@ def stacks(argv):
         else:
             pid = int(given[0]) if given else choose_process(mpicoll_processes())
         print(ask(pid), end="")
-    except (LookupError, TimeoutError, ProcessLookupError, PermissionError) as error:
+    except (LookupError, TimeoutError, OSError) as error:  # OSError: own_files.Refused too
         print(f"python -m mpicoll stacks: {error}", file=sys.stderr)
         return 1
     return 0

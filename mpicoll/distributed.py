@@ -24,7 +24,9 @@ timeout must send SIGKILL (`timeout -s KILL`).
 """
 
 import atexit
+import os
 import socket
+import warnings
 
 import jax
 from mpi4py import MPI
@@ -120,23 +122,47 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
     world = MPI.COMM_WORLD
     found = (_coordinator(coordinator_host, port, where.node_count) if world.Get_rank() == 0
              else None)
-    address, problem = world.bcast(found, root=0)
+    address, bind_address, problem = world.bcast(found, root=0)
     if problem:
         raise RuntimeError(f"mpicoll.distributed.initialize: {problem}")
+    # JAX's coordination service (no authentication) listens where its ranks
+    # connect, not on every interface ([::], JAX's default); the user's own
+    # choice (coordinator_bind_address=, JAX_COORDINATOR_BIND_ADDRESS) wins.
+    if "coordinator_bind_address" not in jax_arguments and \
+            not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        jax_arguments["coordinator_bind_address"] = bind_address
     jax.distributed.initialize(coordinator_address=address, num_processes=world.Get_size(),
                                process_id=world.Get_rank(), local_device_ids=local_device_ids,
                                **jax_arguments)
     _initialized = True
+    from ._src import install
+    if where.node_count == 1:
+        install.later("gloo-on-loopback", "JAX's CPU backend factory: gloo's listeners on "
+                      "127.0.0.1 (every rank on one node)", _bind_gloo_to_loopback)
     from ._src.over_ranks import (
         multihost)  # noqa: PLC0415 -- imports mpicoll's collectives
-    multihost.install()  # multihost_utils on MPI, not JAX's gloo
+    install.later("multihost-on-mpi", "jax.experimental.multihost_utils: its collectives on "
+                  "MPI through mpicoll, not JAX's gloo", multihost.install)
     # Registered after mpi4py's and mpicoll's exit handlers, so it runs before
     # them: pending work completes, JAX shuts down, then MPI is finalized.
     atexit.register(_shutdown)
 
 
+def _bind_gloo_to_loopback():
+    """A one-node job's gloo (JAX's CPU collectives) listens on loopback, not on the address
+    the host's name resolves to (a warning where this JAX cannot be told)."""
+    try:
+        return _compat.bind_gloo_listeners("127.0.0.1")
+    except RuntimeError as error:
+        warnings.warn(f"mpicoll.distributed.initialize: gloo's listeners stay where JAX puts "
+                      f"them (the address of this host's name), not on loopback: {error}",
+                      RuntimeWarning, stacklevel=4)
+        return f"not bound: {error}"
+
+
 def _coordinator(host, port, node_count):
-    """On rank 0: ("host:port", None), or (None, what went wrong)."""
+    """On rank 0: ("host:port" for the ranks, "address:port" to bind, None), or (None,
+    None, what went wrong)."""
     try:
         if host is None:
             host = ("127.0.0.1" if node_count == 1
@@ -145,15 +171,18 @@ def _coordinator(host, port, node_count):
             # machine only; other loopback addresses can be hosts' own (hosts
             # simulated in namespaces on one loopback: launch/simcluster.py).
             if host.startswith(("127.0.0.", "127.0.1.")) and node_count > 1:
-                return None, (f"rank 0's host name resolves to {host}, which the other "
+                return None, None, (f"rank 0's host name resolves to {host}, which the other "
                               "nodes cannot reach; pass coordinator_host=")
+        # The numeric address the ranks reach it at: the one to listen on.
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port or 0, type=socket.SOCK_STREAM)[0]
         if port is None:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.bind((host, 0))
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind(sockaddr[:2] if family == socket.AF_INET else sockaddr)
                 port = probe.getsockname()[1]
     except OSError as error:
-        return None, f"no coordinator address on rank 0 ({error}); pass coordinator_host="
-    return f"{host}:{port}", None
+        return None, None, f"no coordinator address on rank 0 ({error}); pass coordinator_host="
+    numeric = sockaddr[0] if family == socket.AF_INET else f"[{sockaddr[0]}]"
+    return f"{host}:{port}", f"{numeric}:{port}", None
 
 
 def _shutdown():

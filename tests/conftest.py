@@ -359,8 +359,9 @@ def _kill_job(process, grace=5):
             pass
 
 
-def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO):
-    """Run `argv` (e.g. [sys.executable, script, ...]) under the venv's mpiexec -n ranks.
+def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO, prefix=()):
+    """Run `argv` (e.g. [sys.executable, script, ...]) under the venv's mpiexec -n ranks
+    (the launcher itself under `prefix`, e.g. a command that makes namespaces first).
 
     The launcher environment is this one minus any launcher's variables and
     minus a fake device count in XLA_FLAGS (programs set their own), plus
@@ -391,7 +392,8 @@ def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO):
     elif ranks > (os.cpu_count() or 1):
         job_env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     job_env.update(env or {})
-    command = [str(MPIEXEC), *launcher_flags, "-n", str(ranks), *map(str, argv)]
+    command = [*map(str, prefix), str(MPIEXEC), *launcher_flags, "-n", str(ranks),
+               *map(str, argv)]
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=cwd, env=job_env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)

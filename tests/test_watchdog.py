@@ -9,6 +9,7 @@ rank whose error ends it, mpicoll's own frames left out.
 """
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -330,11 +331,11 @@ def test_a_busy_rank_is_shown_where_it_is_in_its_python_code(ranks, tmp_path):
                             stack[2]), lines
     # Rank 0 waits in the collective: the report names its call, no stack.
     folder = Path(re.search(r"flight records: (\S+)/rank\*\.json", result.output).group(1))
-    assert folder.parent == tmp_path / "0", folder
+    assert folder.parent == tmp_path / "0" / f"mpicoll-{os.geteuid()}", folder  # its own
     assert sorted(p.name for p in folder.glob("rank*.json")) == \
         [f"rank{r}.json" for r in range(ranks)], list(folder.iterdir())
     for r in range(1, ranks):  # each other rank's own copy stays in its own folder
-        assert (tmp_path / str(r) / folder.name / f"rank{r}.json").exists()
+        assert (tmp_path / str(r) / folder.parent.name / folder.name / f"rank{r}.json").exists()
     status, text = _flight(folder)
     assert "no flight records" not in text and all(f"rank {r} (" in text for r in range(ranks)), \
         text

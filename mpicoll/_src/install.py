@@ -22,8 +22,12 @@ Why this order:
   failure-handling  last: its hooks (abort on error, the watchdog, the exit
                     notices) watch a fully imported mpicoll.
 
-One change is made later, not at import: mpicoll.distributed.initialize()
-gives JAX's multihost_utils mpicoll's collectives (over_ranks/multihost.py).
+Two changes are made later, not at import, by mpicoll.distributed.initialize()
+(the user asked for JAX's multi-process runtime), each through later():
+  gloo-on-loopback  where every rank is on one node, JAX's CPU backend makes
+                    gloo's collectives listening on 127.0.0.1 (_compat/backends.py)
+  multihost-on-mpi  JAX's multihost_utils get mpicoll's collectives
+                    (over_ranks/multihost.py)
 """
 
 import dataclasses
@@ -81,6 +85,7 @@ def _steps():
 
 
 _installed = []  # (Step, what it did), in order
+_installed_later = []  # the same, for the steps made after import (later())
 
 
 def install():
@@ -91,6 +96,19 @@ def install():
         _installed.append((step, step.apply() or "done"))
 
 
+def later(name, changes, apply):
+    """Apply a change made after import (mpicoll.distributed.initialize), once, and list it."""
+    if any(step.name == name for step, _ in _installed_later):
+        return
+    step = Step(name, changes, apply)
+    _installed_later.append((step, step.apply() or "done"))
+
+
 def installed():
-    """The steps applied in this process: [(name, what it changes, what it did)]."""
+    """The steps applied in this process at import: [(name, what it changes, what it did)]."""
     return [(step.name, step.changes, outcome) for step, outcome in _installed]
+
+
+def installed_later():
+    """The changes made since import (later()), as installed() lists them."""
+    return [(step.name, step.changes, outcome) for step, outcome in _installed_later]

@@ -156,19 +156,20 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
 
 // The flight recorder and the timeline (watch/flight.h): set once, at import,
 // before the first collective.  set_flight(records per device, dump
-// directory, root): with dir "", a folder for the job under root (the
-// temporary directory), named when the ranks have met; this process's own until then.
+// directory, temporary directory): with dir "", the job's folder in this
+// user's private folder of the temporary directory (watch/own_files.h), named
+// when the ranks have met; this process's own until then.
 PyObject* SetFlight(PyObject*, PyObject* args) {
   long long capacity;
   const char* dir;
-  const char* root;
-  if (!PyArg_ParseTuple(args, "Lss", &capacity, &dir, &root)) return nullptr;
+  const char* temp;
+  if (!PyArg_ParseTuple(args, "Lss", &capacity, &dir, &temp)) return nullptr;
   const long long most = static_cast<long long>(kChunkRecords * kMaxChunks);
   {
     std::lock_guard<std::mutex> lock(flight.mutex);
     flight.flight_dir = dir;
-    flight.job_dir_root = dir[0] ? "" : root;
-    flight.temp_dir = root;
+    flight.private_root = PrivateRootIn(temp);
+    flight.job_flight_dir = !dir[0];
   }
   if (!dir[0]) {
     const ProcessId me = ThisProcess();
@@ -227,6 +228,24 @@ PyObject* SetWorldProcessesPy(PyObject*, PyObject* arg) {
 }
 
 // The flight records' folder now (it is chosen for the job when the ranks meet).
+// check_folder(path, private root, create) -> "" or why mpicoll would not write
+// there (watch/own_files.h's rule; runtime/own_files.py is its Python twin).
+PyObject* CheckFolder(PyObject*, PyObject* args) {
+  const char* path;
+  const char* root;
+  int create;
+  if (!PyArg_ParseTuple(args, "ssp", &path, &root, &create)) return nullptr;
+  std::string problem;
+  Py_BEGIN_ALLOW_THREADS
+  problem = OpenOwnFolder(path, root, create != 0).problem();
+  Py_END_ALLOW_THREADS
+  return PyUnicode_FromString(problem.c_str());
+}
+
+PyObject* PrivateRoot(PyObject*, PyObject*) {
+  return PyUnicode_FromString(FolderOf(flight.private_root).c_str());
+}
+
 PyObject* FlightDir(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> lock(flight.mutex);
   return PyUnicode_FromString(flight.flight_dir.c_str());
@@ -320,6 +339,10 @@ PyMethodDef watch_methods[] = {
     {"set_world_processes", SetWorldProcessesPy, METH_O,
      "Every rank's (host, pid), in rank order."},
     {"flight_dir", FlightDir, METH_NOARGS, "The folder flight records are written to now."},
+    {"private_root", PrivateRoot, METH_NOARGS,
+     "This user's folder in the temporary directory (the stacks report, the job's records)."},
+    {"check_folder", CheckFolder, METH_VARARGS,
+     "(path, private root, create) -> '' or why mpicoll would not write there."},
     {"gather_records", PyGatherRecords, METH_O,
      "Ask the other ranks for their flight records and write them beside this rank's."},
     {"watch_python_threads", WatchPythonThreads, METH_VARARGS,

@@ -8,6 +8,10 @@ directory is first on sys.path and they import this module as `_common`.
   expected, at the tolerance the program sets once.
 * training_model(largest): the soaks' model, linear leaves of 4 B up to `largest`
   bytes beside a small MLP.
+* listeners(): the TCP sockets this process listens on, [(address, port)], from
+  /proc (no ss needed); listener_problems(before): those opened since `before` (MPI's
+  own, taken after MPI_Init) that are beyond loopback in a one-node job, or on every
+  interface in any job.
 * report_and_exit(failures, what), last: rank 0 prints each rank's failures and a
   verdict line (what the pytest side looks for); the job exits non-zero on any.
 
@@ -70,6 +74,71 @@ def training_model(largest):
            "b1": np.zeros(32, np.float32), "w2": rng.normal(size=(32, 1)).astype(np.float32) * 0.3}
     params = {**{name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, **mlp}
     return shapes, base, params
+
+
+def _socket_inodes(pid="self"):
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _address(hex_address):
+    """/proc/net/tcp{,6}'s local address (little-endian words) as text."""
+    import ipaddress
+    import struct
+
+    if len(hex_address) == 8:
+        return str(ipaddress.IPv4Address(struct.pack("<I", int(hex_address, 16))))
+    words = [struct.pack("<I", int(hex_address[i:i + 8], 16)) for i in range(0, 32, 8)]
+    return str(ipaddress.IPv6Address(b"".join(words)))
+
+
+def listeners(pid="self"):
+    """[(address, port)] of the TCP sockets process `pid` listens on (sorted)."""
+    mine, found = _socket_inodes(pid), []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as handle:
+                rows = handle.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in mine:  # LISTEN
+                address, port = fields[1].split(":")
+                found.append((_address(address), int(port, 16)))
+    return sorted(found)
+
+
+def is_loopback(address):
+    """Whether a listener's address reaches this machine only (127/8, ::1, ::ffff:127/104)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def listener_problems(before):
+    """What is wrong with the listeners this process opened since `before`: in a job
+    whose ranks are all on one node, any beyond loopback; in any job, one on every
+    interface (docs/security.md).  [] where nothing is."""
+    import mpicoll.topology
+
+    one_node = mpicoll.topology.world().node_count == 1
+    problems = []
+    for address, port in sorted(set(listeners()) - set(before)):
+        if one_node and not is_loopback(address):
+            problems.append(f"listener {address}:{port}: beyond loopback in a one-node job")
+        elif address in ("0.0.0.0", "::"):
+            problems.append(f"listener {address}:{port}: on every interface")
+    return problems
 
 
 def report_and_exit(failures, what, verdict="ALL OK"):

@@ -6,12 +6,15 @@ from MPI, JAX's multi-process API and mpicoll's collectives beside it.
 Checked against numpy: the process ids and device counts, process_allgather,
 mpicoll's allreduce eagerly, under jit and over ranks x local devices (pmap),
 psum on a global mesh over each process's devices and over all (100 calls in
-flight), a second initialize() refused.  Prints "ALL OK (R ranks x L devices)".
+flight), a second initialize() refused.  And what the job listens on: every TCP
+listener opened after MPI's own (those of MPI_Init, and the launcher's) is on
+loopback where every rank is on one node (JAX's coordination service, gloo's),
+and none on every interface otherwise.  Prints "ALL OK (R ranks x L devices)".
 """
 
 import sys
 
-from _common import fake_cpu_devices, report_and_exit
+from _common import fake_cpu_devices, listener_problems, listeners, report_and_exit
 
 LOCAL = int(sys.argv[1])
 fake_cpu_devices(LOCAL)
@@ -28,6 +31,7 @@ import mpicoll.distributed  # noqa: E402
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 failures = []
+MPIS_OWN = set(listeners())  # MPI_Init's (its netmod) and the launcher's, inherited
 
 
 def expect(name, ok, detail=""):
@@ -90,6 +94,10 @@ for axes, program in loops.items():
         if not np.array_equal(mine_out, expected[axes]):
             expect(f"global mesh psum over {axes}, call {i}", False, mine_out)
             break
+
+# Every listener since MPI's own: JAX's coordination service (rank 0) and gloo's.
+expect("a listener opened", RANK != 0 or set(listeners()) - MPIS_OWN, "rank 0 listens nowhere new")
+failures.extend(listener_problems(MPIS_OWN))
 
 try:
     mpicoll.distributed.initialize()

@@ -11,14 +11,16 @@ devices), and a mesh ("proc", "dev") collecting over ("proc",) and over
 ("proc", "dev").  The reference is the same program in one process over R x L
 devices (JAX's own collectives), run first with --reference.  Values, vjps and
 check_vma's types are compared, and the compiled programs are checked to hold no XLA collective
-(everything that crossed processes went through mpicoll).  Prints "ALL OK".
+(everything that crossed processes went through mpicoll); the listeners opened since
+MPI's own are on loopback in a one-node job and on no wildcard address across hosts.
+Prints "ALL OK".
 """
 
 import os
 import re
 import sys
 
-from _common import fake_cpu_devices, report_and_exit
+from _common import fake_cpu_devices, listener_problems, listeners, report_and_exit
 
 LOCAL = int(sys.argv[1])
 REFERENCE_FILE = sys.argv[2]
@@ -41,6 +43,7 @@ if not MAKING_REFERENCE:
 
     import mpicoll.distributed  # noqa: E402
 
+    MPIS_OWN = listeners()  # MPI_Init's and the launcher's (docs/security.md)
     mpicoll.distributed.initialize(initialization_timeout=60)
     RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     REFERENCE = dict(np.load(REFERENCE_FILE))
@@ -282,4 +285,7 @@ if MAKING_REFERENCE:
         sys.exit("\n".join(failures))
     np.savez(REFERENCE_FILE, **REFERENCE)
 else:
+    # JAX's coordination service bound where the ranks reach it, gloo's on loopback
+    # on one node: never every interface.
+    failures.extend(listener_problems(MPIS_OWN))
     report_and_exit(failures, f"({SIZE} ranks x {LOCAL} devices, global mesh)")

@@ -8,6 +8,7 @@ is the only place to change.  Each helper states what it needs from JAX.
   mesh            manual mesh axes: varying types, JAX's pvary, lax collectives
   dispatch_hooks  runtime tokens and program lowering (the device-order dispatch), and
                   the exception type of errors on jit's C++ fast path
+  backends        JAX's CPU backend factory: gloo's listeners on one address
 """
 
 from .core import (  # noqa: F401
@@ -28,6 +29,7 @@ from .mesh import (  # noqa: F401
     pvary, refuse_lax_collectives_over, route_lax_collectives, size_axis, unrouted_lax,
     varying_axes, with_varying_axes)
 from . import dispatch_hooks  # noqa: F401
+from .backends import bind_gloo_listeners  # noqa: F401
 from .dispatch_hooks import (  # noqa: F401
     complete_dispatches_with, install_runtime_token_fast_path, runtime_error_from_fast_path,
     runtime_token_methods)

@@ -37,7 +37,7 @@ from mpi4py import MPI
 from .. import PACKAGE_DIR
 from .. import _compat
 from . import tracing
-from ..runtime import native, settings
+from ..runtime import native, own_files, settings
 from ..runtime.native import extension
 
 
@@ -238,41 +238,85 @@ def install_abort_on_error():
     threading.excepthook = thread_excepthook
 
 
-# Old jobs' flight records in the temporary directory (MPICOLL_FLIGHT_DIR unset):
-# kept for a week, and at most the newest 20 (docs/failures.md says the rule).
+# Old jobs' flight records in this user's private folder of the temporary
+# directory (MPICOLL_FLIGHT_DIR unset): kept for a week, and at most the newest
+# 20 (docs/failures.md says the rule); stacks reports nobody read, after a day.
 FLIGHT_FOLDERS_KEPT, FLIGHT_FOLDER_DAYS = 20, 7
+STACKS_REPORT_DAYS = 1
 
 
 def prune_flight_folders(root, now=None):
-    """Remove root's mpicoll-flight-<host>-<pid> folders older than FLIGHT_FOLDER_DAYS, and
-    beyond the FLIGHT_FOLDERS_KEPT newest, except those of a process still running on this
-    host; returns the paths removed.  Every rank may run it at once: a folder another
-    rank removed first is skipped."""
-    import glob
+    """Remove from `root`, this user's private folder (<tmp>/mpicoll-<uid>), its
+    flight-<host>-<pid> folders older than FLIGHT_FOLDER_DAYS and beyond the
+    FLIGHT_FOLDERS_KEPT newest, except those of a process still running on this host,
+    and its stacks reports older than STACKS_REPORT_DAYS; returns the paths removed.
+    Only this user's own entries, never through a link, and nothing where `root` itself
+    fails the private rule (runtime/own_files.py).  Every rank may run it at once: an
+    entry another rank removed first is skipped."""
     import shutil
     import socket
+    import stat
     import time
 
     now = time.time() if now is None else now
-    host = socket.gethostname()
-    found = []
-    for path in glob.glob(os.path.join(root, "mpicoll-flight-*")):
-        try:
-            found.append((os.stat(path).st_mtime, path))
-        except OSError:
-            continue
-    found.sort(reverse=True)
-    removed = []
-    for index, (mtime, path) in enumerate(found):
-        if index < FLIGHT_FOLDERS_KEPT and now - mtime < FLIGHT_FOLDER_DAYS * 86400:
-            continue
-        name = os.path.basename(path)[len("mpicoll-flight-"):]
-        owner, _, pid = name.rpartition("-")
-        if owner == host and pid.isdigit() and _running(int(pid)):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    try:
+        folder = own_files.open_folder(root, root, create=False)
+    except own_files.Refused:
+        return []
+    host, me = socket.gethostname(), os.geteuid()
+    try:
+        found = []
+        for entry in os.scandir(folder):
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid != me or stat.S_ISLNK(info.st_mode):
+                continue
+            if entry.name.startswith("flight-") and stat.S_ISDIR(info.st_mode):
+                found.append((info.st_mtime, entry.name))
+            elif (entry.name.startswith("stacks-") and stat.S_ISREG(info.st_mode)
+                  and now - info.st_mtime > STACKS_REPORT_DAYS * 86400):
+                found.append((-1, entry.name))  # removed below, whatever the count
+        found.sort(reverse=True)
+        removed = []
+        kept = 0
+        for mtime, name in found:
+            if mtime >= 0:
+                if kept < FLIGHT_FOLDERS_KEPT and now - mtime < FLIGHT_FOLDER_DAYS * 86400:
+                    kept += 1
+                    continue
+                owner, _, pid = name[len("flight-"):].rpartition("-")
+                if owner == host and pid.isdigit() and _running(int(pid)):
+                    continue
+                shutil.rmtree(name, ignore_errors=True, dir_fd=folder)
+            else:
+                try:
+                    os.unlink(name, dir_fd=folder)
+                except OSError:
+                    continue
+            removed.append(os.path.join(root, name))
+    finally:
+        os.close(folder)
     return removed
+
+
+def check_private_root(temporary_directory):
+    """Warn (once, this rank) where this user's folder in the temporary directory is not
+    safe to write in; returns the reason, or None."""
+    import warnings
+
+    root = own_files.private_root(temporary_directory)
+    if not os.path.lexists(root):
+        return None  # made when a file is first due
+    problem = own_files.folder_problem(root, root)
+    if problem:
+        warnings.warn_explicit(
+            f"mpicoll: {problem}: the stacks report and this job's flight records are not "
+            "written there (only a folder of your own is trusted in the shared temporary "
+            "directory; set TMPDIR, or MPICOLL_FLIGHT_DIR, to a folder of yours)",
+            own_files.UnsafeFolderWarning, "<temporary directory>", 0)
+    return problem
 
 
 def _running(pid):
@@ -297,9 +341,10 @@ def configure(current):
     set_check_mode(current.check)
     set_timeout(current.timeout)
     set_stall_report(current.stall_report)
-    extension.set_flight(current.flight_records, current.flight_dir, tempfile.gettempdir())
-    if not current.flight_dir:
-        prune_flight_folders(tempfile.gettempdir())
+    temporary_directory = tempfile.gettempdir()
+    extension.set_flight(current.flight_records, current.flight_dir, temporary_directory)
+    if check_private_root(temporary_directory) is None:
+        prune_flight_folders(own_files.private_root(temporary_directory))
     tracing.start_at_import(current)
     # Registered after mpi4py's MPI_Finalize handler, so they run before it
     # (atexit runs the last registered first: the end notice, the timeline,

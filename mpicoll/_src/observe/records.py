@@ -70,43 +70,136 @@ class RankFile:
     path: str
 
 
+# A rank file is data from a folder another user may reach (a shared /tmp, a
+# project folder): read without following links or blocking, up to this bound
+# (a trace keeps about 700 bytes per collective per device, so 1 GiB is about 1.5
+# million of them), and checked field by field before anything uses it.
+MAX_FILE_BYTES = 1 << 30
+MAX_RANKS = 1 << 24
+MAX_LOCAL_DEVICES = 1 << 12
+_MEMBERS = re.compile(r"(\d+(,\d+)*)?$")
+# Characters a terminal would act on (escape sequences, bells, carriage returns):
+# shown as \xNN, so a planted file cannot rewrite the reader's screen.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class Malformed(ValueError):
+    """A rank file that is not what mpicoll writes; the message names the file and the field."""
+
+
+def _shown(text, lines):
+    pattern = _CONTROL if lines else _CONTROL_OR_NEWLINE
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _field(where, data, key, kind, lines=False, optional=False, low=None, high=None):
+    """data[key] checked to be `kind` (int: not a bool; str: control characters shown
+    escaped; "int or None"), within [low, high] for an int."""
+    if key not in data:
+        if optional:
+            return None
+        raise Malformed(f"{where}: no {key!r}")
+    value = data[key]
+    if value is None and kind == "int or None":
+        return None
+    wanted = int if kind == "int or None" else kind
+    if wanted is int and (type(value) is not int):
+        raise Malformed(f"{where}: {key!r} is {type(value).__name__} {value!r:.40}, not a "
+                        "whole number")
+    if wanted is not int and type(value) is not wanted:
+        raise Malformed(f"{where}: {key!r} is {type(value).__name__}, not {wanted.__name__}")
+    if wanted is int and ((low is not None and value < low) or (high is not None and value > high)):
+        raise Malformed(f"{where}: {key!r} is {value}, outside {low}..{high}")
+    if wanted is str:
+        return _shown(value, lines)
+    return value
+
+
 def load(directory):
-    """Every rank<r>.json in `directory`, by rank; ValueError saying what is wrong."""
+    """Every rank<r>.json in `directory`, by rank; ValueError (Malformed for a file that
+    is not what mpicoll writes) saying what is wrong."""
+    from ..runtime import own_files
+
     numbered = [(int(m.group(1)), p) for p in glob.glob(os.path.join(directory, "rank*.json"))
                 if (m := _RANK_FILE.search(p))]
-    paths = [p for _, p in sorted(numbered)]
+    paths = [(n, p) for n, p in sorted(numbered)]
     if not paths:
         raise ValueError(f"{directory}: no rank<r>.json files (mpicoll writes them there on a "
                          "stall, a timeout, an abort or SIGUSR1 (MPICOLL_FLIGHT_DIR), or at "
                          "exit with MPICOLL_TRACE)")
+    if len(paths) > MAX_RANKS:
+        raise ValueError(f"{directory}: {len(paths)} rank files, more than {MAX_RANKS} ranks")
     files = []
-    for path in paths:
+    for number, path in paths:
         try:
-            with open(path) as handle:
-                data = json.load(handle)
-            meta = data["otherData"]
-            if meta.get("mpicoll") != 1:
-                raise KeyError("mpicoll")
-        except (OSError, ValueError, KeyError) as error:
-            raise ValueError(f"{path}: not an mpicoll record file ({error})") from None
-        rank = meta["rank"]
-        records = [_record(rank, event) for event in data["traceEvents"]
-                   if event.get("cat") == "collective"]
-        files.append(RankFile(rank=rank, size=meta["size"], host=meta["host"],
-                              reason=meta["reason"], written_ns=meta["written_ns"],
-                              clock_offset_ns=meta["clock_offset_ns"], kept=meta["kept"],
-                              trace_skip=meta.get("trace_skip", 0),
-                              records=records, path=path))
+            raw = own_files.read_file(path, MAX_FILE_BYTES)
+        except OSError as error:
+            raise Malformed(f"{path}: not readable as a record file ({error})") from None
+        try:
+            data = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as error:
+            raise Malformed(f"{path}: not an mpicoll record file (not JSON: {error})") from None
+        files.append(_rank_file(path, number, data))
     return files
 
 
-def _record(rank, event):
-    args = event["args"]
-    return Record(rank=rank, device=event["tid"], sequence=args["sequence"], call=args["call"],
-                  op=args["op"], comm=args["comm"], members=args["members"],
-                  comm_rank=args["comm_rank"], site=args["site"], bytes=args["bytes"],
-                  queued_ns=args["queued_ns"], started_ns=args["started_ns"],
-                  finished_ns=args["finished_ns"], failed=args["failed"])
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number mpicoll writes")
+
+
+def _rank_file(path, number, data):
+    if not isinstance(data, dict) or not isinstance(data.get("otherData"), dict):
+        raise Malformed(f"{path}: not an mpicoll record file (no otherData)")
+    meta = data["otherData"]
+    if meta.get("mpicoll") != 1 or type(meta.get("mpicoll")) is not int:
+        raise Malformed(f"{path}: not an mpicoll record file (otherData.mpicoll is not 1)")
+    where = f"{path}: otherData"
+    size = _field(where, meta, "size", int, low=1, high=MAX_RANKS)
+    rank = _field(where, meta, "rank", int, low=0, high=size - 1)
+    if rank != number:
+        raise Malformed(f"{path}: holds the records of rank {rank}, not of rank {number}")
+    kept = _field(where, meta, "kept", str)
+    if kept not in ("last", "all"):
+        raise Malformed(f"{where}: 'kept' is {kept!r}, not 'last' or 'all'")
+    events = data.get("traceEvents")
+    if not isinstance(events, list):
+        raise Malformed(f"{path}: traceEvents is not a list")
+    records = []
+    for index, event in enumerate(events):
+        if not isinstance(event, dict):
+            raise Malformed(f"{path}: traceEvents[{index}] is not an object")
+        if event.get("cat") == "collective":
+            records.append(_record(f"{path}: traceEvents[{index}]", rank, event))
+    return RankFile(rank=rank, size=size, host=_field(where, meta, "host", str),
+                    reason=_field(where, meta, "reason", str, lines=True),
+                    written_ns=_field(where, meta, "written_ns", int),
+                    clock_offset_ns=_field(where, meta, "clock_offset_ns", int),
+                    kept=kept,
+                    trace_skip=_field(where, meta, "trace_skip", int, optional=True, low=0) or 0,
+                    records=records, path=path)
+
+
+def _record(where, rank, event):
+    device = _field(where, event, "tid", int, low=0, high=MAX_LOCAL_DEVICES - 1)
+    args = event.get("args")
+    if not isinstance(args, dict):
+        raise Malformed(f"{where}: args is not an object")
+    where += ".args"
+    members = _field(where, args, "members", str)
+    if not _MEMBERS.match(members):
+        raise Malformed(f"{where}: 'members' is {members!r:.60}, not ranks like 0,1,2")
+    return Record(rank=rank, device=device,
+                  sequence=_field(where, args, "sequence", int, low=0),
+                  call=_field(where, args, "call", str), op=_field(where, args, "op", str),
+                  comm=_field(where, args, "comm", str), members=members,
+                  comm_rank=_field(where, args, "comm_rank", int, low=-1),
+                  site=_field(where, args, "site", str),
+                  bytes=_field(where, args, "bytes", int, low=0),
+                  queued_ns=_field(where, args, "queued_ns", int),
+                  started_ns=_field(where, args, "started_ns", int),
+                  finished_ns=_field(where, args, "finished_ns", "int or None"),
+                  failed=_field(where, args, "failed", bool))
 
 
 _MEETING = re.compile(r"(.*):meeting of devices ([\d,]+)$")

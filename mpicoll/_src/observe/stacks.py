@@ -3,8 +3,10 @@
 It sends SIGUSR2 to one rank's process on this host; that rank's watchdog asks
 every rank over the watchdogs' side channel (watch/watchdog.h,
 WriteStacksReport) for its state and its Python stack, prints the report to the
-job's stderr and writes it to <its temporary directory>/mpicoll-stacks-<pid>.txt,
-which this command reads, prints and removes.  The stacks are read without the
+job's stderr and writes it to stacks-<pid>.txt in its user's private folder of its
+temporary directory (<tmp>/mpicoll-<uid>, runtime/own_files.py), which this command
+reads (a regular file of that user's, not through a link, at most REPORT_BYTES),
+prints and removes.  The stacks are read without the
 GIL (watch/python_stacks.h), so a rank busy in a C extension answers too.
 """
 
@@ -13,10 +15,13 @@ import signal
 import tempfile
 import time
 
+from ..runtime import own_files
+
 # The launchers' variables that give a process its rank (MPICH/Hydra, Open MPI, PMIx, SLURM).
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 _EXTENSION_MARK = "_mpicoll_ffi_"  # the extension's file name, in a process's memory map
 ANSWER_WITHIN = 15.0  # s: the asked rank waits up to 3 s for each rank's answer
+REPORT_BYTES = 16 << 20  # a line per rank and its stack: far beyond any job's report
 
 
 def _environment(pid):
@@ -105,11 +110,41 @@ def _temporary_directory(environment):
     return tempfile.gettempdir() if not environment else "/tmp"
 
 
+def report_path(pid):
+    """Where process `pid` writes its stacks report, and its user's uid."""
+    uid = os.stat(f"/proc/{pid}").st_uid
+    root = own_files.private_root(_temporary_directory(_environment(pid)), uid)
+    return os.path.join(root, f"stacks-{pid}.txt"), uid
+
+
+def _report_folder_problem(root, uid):
+    """Why the rank of user `uid` would not write its report in `root` (own_files.h's
+    private rule), or None."""
+    import stat
+
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return None  # the rank makes it when it writes
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{root} is not a folder"
+    if info.st_uid != uid:
+        return f"{root} belongs to uid {info.st_uid}, not to the rank's user (uid {uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{root} is writable by other users"
+    return None
+
+
 def ask(pid, within=ANSWER_WITHIN):
     """Signal process `pid` and return its report of where every rank is."""
     if not has_mpicoll(pid):  # never signal a process that is not an mpicoll rank
         raise LookupError(f"process {pid} is not running mpicoll on this host")
-    report = os.path.join(_temporary_directory(_environment(pid)), f"mpicoll-stacks-{pid}.txt")
+    report, uid = report_path(pid)
+    unusable = _report_folder_problem(os.path.dirname(report), uid)
+    if unusable:
+        os.kill(pid, signal.SIGUSR2)  # the report still goes to the job's stderr
+        raise LookupError(f"{unusable}: the rank does not write its report there; it printed "
+                          "it to the job's stderr")
     try:
         os.remove(report)
     except FileNotFoundError:
@@ -118,13 +153,12 @@ def ask(pid, within=ANSWER_WITHIN):
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            with open(report) as f:
-                text = f.read()
+            text = own_files.read_file(report, REPORT_BYTES, owner=uid)
         except FileNotFoundError:
             time.sleep(0.05)
             continue
         os.remove(report)
-        return text
+        return text.decode(errors="replace")
     raise TimeoutError(f"process {pid} did not answer within {within:.0f} s (is it an mpicoll "
                        "rank whose watchdog runs? A program that sets its own SIGUSR2 handler "
                        "replaces mpicoll's)")

@@ -243,11 +243,19 @@ def picture(files, all_spans, width=1000):
 def write_merged(directory, warm_up=True):
     """Merge DIR's timeline files: writes DIR/merged.json and DIR/timeline.svg;
     returns the summary text (warm_up=False: each site's first calls count too)."""
+    from ..runtime import own_files
+
     files = load(directory)
     all_spans = spans(files, warm_up)
-    with open(os.path.join(directory, "merged.json"), "w") as handle:
-        json.dump(merged_trace(files, all_spans), handle)
-    with open(os.path.join(directory, "timeline.svg"), "w") as handle:
-        handle.write(picture(files, all_spans))
-    return (trace_summary(files, all_spans) + f"\nwritten: {directory}/merged.json "
+    summary = trace_summary(files, all_spans)
+    # Written as mpicoll writes any file (runtime/own_files.py): into a folder of
+    # this user's or root's, never through a link; one of another user's is still
+    # read and summarized.
+    try:
+        own_files.write_file(directory, "merged.json",
+                             json.dumps(merged_trace(files, all_spans)))
+        own_files.write_file(directory, "timeline.svg", picture(files, all_spans))
+    except own_files.Refused as error:
+        return summary + f"\nnot written: merged.json and timeline.svg ({error})"
+    return (summary + f"\nwritten: {directory}/merged.json "
             f"(chrome://tracing, ui.perfetto.dev), {directory}/timeline.svg")

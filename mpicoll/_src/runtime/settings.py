@@ -17,7 +17,7 @@ MPICOLL_* variable nothing reads warns once, with the closest known name.
   MPICOLL_TIMEOUT              600 s (10, 10s, 10min, ...); 0 = never  failures.py
   MPICOLL_STALL_REPORT         60 s; 0 = off                         failures.py
   MPICOLL_FLIGHT_RECORDS       1000 per local device; 0 = off        failures.py
-  MPICOLL_FLIGHT_DIR           a folder per job in tempfile.gettempdir() | a directory
+  MPICOLL_FLIGHT_DIR           a folder per job in <tmp>/mpicoll-<uid> | a directory
   MPICOLL_TRACE                a directory: record the timeline there; unset = off
   MPICOLL_TRACE_SKIP           0 | N: the timeline leaves out each call site's first N calls
   MPICOLL_AUTODIFF             checked | convention
@@ -70,9 +70,10 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT
     stall_report: float = DEFAULT_STALL_REPORT
     flight_records: int = DEFAULT_FLIGHT_RECORDS
-    # "": a folder of the job's own in tempfile.gettempdir(), which the extension
-    # names once the ranks have met (one name for every rank; not in the user's
-    # working directory); else the directory (absolute) the dumps are written to.
+    # "": a folder of the job's own in this user's private folder of the
+    # temporary directory (<tmp>/mpicoll-<uid>, runtime/own_files.py), which the
+    # extension names once the ranks have met (one name for every rank; not in
+    # the user's working directory); else the directory (absolute) the dumps go to.
     flight_dir: str = ""
     trace: str = ""  # "": no timeline; else the directory (absolute) it is written to
     trace_skip: int = 0  # the timeline leaves out each call site's first N calls (warm-up)
@@ -159,14 +160,24 @@ def writable_directory(name, raw, create):
     """raw as an absolute path of a directory mpicoll can write files to; checked
     before any file is due, so that a bad one fails early (on every rank alike).
     create: make it now (the timeline); else only its parent must be writable
-    (the flight recorder makes it when it first dumps).  ValueError naming `name`."""
+    (the flight recorder makes it when it first dumps).  A folder made is 0700; one
+    that exists (or a link at its name) must be this user's or root's
+    (runtime/own_files.py).  ValueError naming `name`."""
+    from . import own_files
+
     path = os.path.abspath(os.path.expanduser(raw))
     try:
-        if create:
-            os.makedirs(path, exist_ok=True)
-        target = path if create or os.path.isdir(path) else os.path.dirname(path)
-        if not os.path.isdir(target):
-            raise OSError(f"{target} is not a directory")
+        if create and not os.path.lexists(path):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        if create or os.path.lexists(path):
+            problem = own_files.folder_problem(path)
+            if problem:
+                raise OSError(problem)
+            target = path
+        else:
+            target = os.path.dirname(path)
+            if not os.path.isdir(target):
+                raise OSError(f"{target} is not a directory")
         if not os.access(target, os.W_OK | os.X_OK):
             raise OSError(f"{target} is not writable")
     except OSError as error:

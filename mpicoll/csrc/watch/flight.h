@@ -48,6 +48,7 @@
 
 #include "../engine/call.h"
 #include "../engine/dtypes.h"
+#include "own_files.h"
 
 namespace mpicoll {
 
@@ -118,11 +119,15 @@ struct FlightRecorder {
   std::atomic<int64_t> clock_offset_ns{0};    // rank 0's clock minus this one's (tracing)
   std::mutex mutex;
   std::string flight_dir, trace_dir;  // (mutex: read them with FolderOf)
-  std::string temp_dir;               // the temporary directory (stacks reports)
-  // Where flight_dir is chosen for the job when MPICOLL_FLIGHT_DIR is not set:
-  // under it, one folder per job named after rank 0's host and pid (the same
-  // on every rank), once the ranks have met (side_channel.h); "": it was set.
-  std::string job_dir_root;
+  // This user's folder in the shared temporary directory, <tmp>/mpicoll-<uid>
+  // (own_files.h): the stacks report goes there, and so does the job's flight
+  // folder where MPICOLL_FLIGHT_DIR is not set (job_flight_dir).
+  std::string private_root;
+  // flight_dir is the job's own folder in private_root, flight-<host>-<pid>
+  // after rank 0's host and pid (the same on every rank), named once the
+  // ranks have met (side_channel.h); this process's own until then.
+  bool job_flight_dir = false;
+  std::string last_write_problem;  // why the last file could not be written, "" (mutex)
   // The flight dump (the ring's last records), at most once per reason kind a
   // second (DumpFlight): a stall's state requests from several ranks ask at once.
   std::atomic<int64_t> last_dump_ns{0};
@@ -393,30 +398,33 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
   return out + "\n]}\n";
 }
 
-// Writes `text` to dir/name through a temporary file, so a reader never sees
-// half a file; false where it cannot.
+// Writes `text` to dir/name (own_files.h: a folder of this user's, nothing
+// followed or reused), so a reader never sees half a file; false where it
+// cannot, with the reason kept for the reports (LastWriteProblem).
 inline bool WriteFileAtomically(const std::string& dir, const std::string& name,
                                 const std::string& text) {
   if (dir.empty()) return false;
   // The watchdog and the main thread may both write (an abort meets a notice).
   static std::mutex writing;
   std::lock_guard<std::mutex> lock(writing);
-  mkdir(dir.c_str(), 0777);  // the parent exists (checked at import); EEXIST is fine
-  const std::string path = dir + "/" + name;
-  // Unique per process: ranks on one shared folder may write the same name.
-  const std::string partial = path + "." + std::to_string(getpid()) + ".partial";
-  FILE* file = std::fopen(partial.c_str(), "w");
-  if (!file) return false;
-  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
-  if (std::fclose(file) != 0 || !written) return false;
-  return std::rename(partial.c_str(), path.c_str()) == 0;
+  const OwnFolder folder = OpenOwnFolder(dir, FolderOf(flight.private_root));
+  const std::string problem =
+      folder.ok() ? WriteFileIn(folder, dir, name, text) : folder.problem();
+  std::lock_guard<std::mutex> state(flight.mutex);
+  flight.last_write_problem = problem;
+  return problem.empty();
 }
 
-// Whether `path` exists and was written in the last `seconds`.
-inline bool WrittenWithin(const std::string& path, double seconds) {
-  struct stat info;
-  if (stat(path.c_str(), &info) != 0) return false;
-  return std::difftime(std::time(nullptr), info.st_mtime) <= seconds;
+// Why the last file could not be written ("" if it was).
+inline std::string LastWriteProblem() {
+  std::lock_guard<std::mutex> lock(flight.mutex);
+  return flight.last_write_problem;
+}
+
+// Whether dir/name is a file written in the last `seconds`.
+inline bool WrittenWithin(const std::string& dir, const std::string& name, double seconds) {
+  const OwnFolder folder = OpenOwnFolder(dir, FolderOf(flight.private_root), /*create=*/false);
+  return WrittenWithinIn(folder, name, seconds);
 }
 
 // Writes the records to dir/rank<r>.json; false where it cannot.

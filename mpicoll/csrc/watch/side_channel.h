@@ -89,13 +89,12 @@ inline std::string HostOf(int rank) {
                                                                    : std::string("?");
 }
 
-// The job's flight folder under flight.job_dir_root (flight.h), where
+// The job's flight folder in this user's private folder (flight.h), where
 // MPICOLL_FLIGHT_DIR is not set; this process's own until the ranks have met.
 inline void ChooseJobFlightDir(const std::string& host, int64_t pid) {
   std::lock_guard<std::mutex> lock(flight.mutex);
-  if (!flight.job_dir_root.empty()) {
-    flight.flight_dir =
-        flight.job_dir_root + "/mpicoll-flight-" + host + "-" + std::to_string(pid);
+  if (flight.job_flight_dir) {
+    flight.flight_dir = flight.private_root + "/flight-" + host + "-" + std::to_string(pid);
   }
 }
 
@@ -294,7 +293,7 @@ inline void CollectRecords(std::vector<int> from, double seconds) {
       if (end_of_dir == data.end()) return;
       const std::string theirs(data.begin(), end_of_dir);
       const std::string name = "rank" + std::to_string(source) + ".json";
-      if (theirs == dir && WrittenWithin(dir + "/" + name, /*seconds=*/30)) return;
+      if (theirs == dir && WrittenWithin(dir, name, /*seconds=*/30)) return;
       WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
     });
     if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(2));

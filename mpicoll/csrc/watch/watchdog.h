@@ -143,7 +143,12 @@ inline void GatherRecords(double seconds) {
 // Writes this rank's flight records, with `why` (a report) as their reason,
 // gathers the other ranks' beside them, and says where, for the report.
 inline std::string FlightLine(int me, const std::string& why, bool gather = true) {
-  if (!DumpFlight(me, comm_world.size.load(), why)) return std::string();
+  if (!DumpFlight(me, comm_world.size.load(), why)) {
+    // Records off say nothing; records that could not be written say why.
+    const bool wanted = flight.capacity.load() > 0 && !FolderOf(flight.flight_dir).empty();
+    const std::string problem = wanted ? LastWriteProblem() : std::string();
+    return problem.empty() ? std::string() : "  flight records: not written (" + problem + ")\n";
+  }
   if (gather) GatherRecords(kGatherRecordsWithin);
   const std::string dir = FolderOf(flight.flight_dir);
   return "  flight records: " + dir + "/rank*.json (python -m mpicoll flight " + dir + ")\n";
@@ -190,7 +195,8 @@ inline bool DeferToLowerRank(const std::vector<RankState>& states, const Verdict
 
 // SIGUSR2 (`python -m mpicoll stacks` sends it to one rank): where every rank
 // is, its collective or its Python stack, printed and written to
-// <temporary directory>/mpicoll-stacks-<pid>.txt for the command to read.
+// stacks-<pid>.txt in this user's private folder of the temporary directory
+// (<tmp>/mpicoll-<uid>, own_files.h) for the command to read.
 inline void WriteStacksReport() {
   const int me = WorldRank();
   const std::vector<RankState> states = EveryRanksState({}, kForStacks);
@@ -198,8 +204,8 @@ inline void WriteStacksReport() {
   for (size_t r = 0; r < states.size(); ++r) text += RankLine(static_cast<int>(r), states[r], {});
   std::fprintf(stderr, "%s", text.c_str());
   std::fflush(stderr);
-  const std::string dir = FolderOf(flight.temp_dir);
-  WriteFileAtomically(dir, "mpicoll-stacks-" + std::to_string(getpid()) + ".txt", text);
+  const std::string dir = FolderOf(flight.private_root);
+  WriteFileAtomically(dir, "stacks-" + std::to_string(getpid()) + ".txt", text);
 }
 
 // When this rank's oldest wait in flight began (0: none).
