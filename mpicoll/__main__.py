@@ -85,6 +85,7 @@ def _rank_report():
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.local_devices()],
         "settings": settings,
+        "files": _files_report(),
         **_mpi_build_report(),
         **_gpu_report(),
     }
@@ -122,8 +123,9 @@ def _settings_report():
             value, where = "auto", ("default (4 pieces where this process may run on two "
                                     "cores per local device, else whole)")
         elif field.name == "flight_dir" and not value:
-            value, where = "per job", ("default (a folder of the job's own under "
-                                       f"{tempfile.gettempdir()}, named when the ranks meet)")
+            value, where = "per job", ("default (a folder of the job's own in this user's "
+                                       f"private folder of {tempfile.gettempdir()}, named when "
+                                       "the ranks meet; files: below)")
         elif field.name == "abort_on_error" and value is None:
             value, where = failures.abort_on_error_installed(), \
                 "default (on with more than one rank)"
@@ -133,6 +135,48 @@ def _settings_report():
             where += _multi_device_dispatch()
         rows.append((field.name, value, where))
     return rows
+
+
+# --- Where a job's files go (docs/security.md) ----------------------------------------
+
+def _files_report():
+    """This rank's folders: its private folder in the temporary directory and whether
+    it passes the rule (runtime/own_files.py), the flight folder, the timeline's."""
+    import os
+
+    from ._src.observe import tracing
+    from ._src.runtime.native import extension
+
+    root = extension.private_root()
+    problem = extension.check_folder(root, root, False) if os.path.lexists(root) else ""
+    return {"private_root": root, "problem": problem, "flight_dir": extension.flight_dir(),
+            "trace": tracing.tracing_to()[0]}
+
+
+def _files_lines(reports):
+    """The files section, a line per distinct value with the ranks it holds for, and a
+    problem per rank whose private folder is refused."""
+    def grouped(key, shown):
+        values = {}
+        for r in reports:
+            values.setdefault(shown(r["files"][key]), []).append(r["topology"].rank)
+        if len(values) == 1:
+            return [next(iter(values))]
+        return [f"{value}  (ranks {_ranges(sorted(ranks))})" for value, ranks in values.items()]
+
+    lines = ["files:         (docs/security.md: what other users of the node can reach)"]
+    for label, key, shown in (
+            ("private folder", "private_root",
+             lambda v: f"{v} (this user's, 0700, made when first needed; files 0600)"),
+            ("flight records", "flight_dir",
+             lambda v: f"{v}/rank<r>.json" if v else "off"),
+            ("stacks report", "private_root", lambda v: f"{v}/stacks-<pid>.txt (removed once read)"),
+            ("timeline", "trace", lambda v: f"{v}/rank<r>.json" if v else "off")):
+        for i, value in enumerate(grouped(key, shown)):
+            lines.append(f"  {label + ':' if i == 0 else '':<16}{value}")
+    problems = [f"rank {r['topology'].rank}: {r['files']['problem']}: its stacks report and "
+                "flight records are not written there" for r in reports if r["files"]["problem"]]
+    return lines, problems
 
 
 def _as_mpi4jax(on):
@@ -395,6 +439,9 @@ def _format(reports):
 
     lines += settings_lines
     lines += _install_lines()
+    files_lines, files_problems = _files_lines(reports)
+    lines += files_lines
+    problems += files_problems
     lines.append("per rank:")
     width = len(str(topo.size - 1))
     for r in reports:

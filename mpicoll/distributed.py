@@ -5,7 +5,9 @@
 
 Rank 0 of COMM_WORLD chooses the coordinator's address and a free port and
 broadcasts them over MPI; the process id is the rank and the number of
-processes the size of COMM_WORLD.  It works under any launcher MPI runs under
+processes the size of COMM_WORLD.  JAX's coordination service (no
+authentication) listens on that address alone, not on every interface; on one
+node gloo, JAX's CPU collectives, listens on loopback too (docs/security.md).  It works under any launcher MPI runs under
 (mpiexec of MPICH or Open MPI, launch/mpirun.sh, srun, the simulated hosts),
 since it asks MPI, not the launcher's variables.  Afterwards JAX's
 multi-process API works (jax.devices() lists every process's devices,
@@ -67,7 +69,10 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
     Args:
         coordinator_host: an address of rank 0's host that every rank reaches;
             default 127.0.0.1 when every rank is on one node, else the address
-            rank 0's host name resolves to.
+            rank 0's host name resolves to.  JAX's coordination service listens
+            on it alone (coordinator_bind_address= in jax_arguments, or
+            JAX_COORDINATOR_BIND_ADDRESS, chooses otherwise); with every rank
+            on one node, gloo's listeners are on 127.0.0.1 too.
         port: the coordinator's port; default a free port rank 0 picks.
         local_device_ids: passed to JAX; "node-local-rank" gives each process
             the one device numbered by its rank on its node (one GPU per rank

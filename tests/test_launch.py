@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,6 +205,11 @@ def test_info_shows_every_setting_and_where_it_came_from():
     assert rows["timeout"] == ["600.0", "default"]
     assert rows["stall_report"] == ["120.0", "MPICOLL_STALL_REPORT=2min"]
     assert rows["dispatch"][0] in ("device-order", "tokens")
+    # Where the job's files go (docs/security.md): this user's private folder.
+    files = result.stdout.split("files:", 1)[1].split("per rank:")[0]
+    root = os.path.join(tempfile.gettempdir(), f"mpicoll-{os.geteuid()}")
+    assert f"private folder: {root} (this user's, 0700" in files, files
+    assert f"stacks report:  {root}/stacks-<pid>.txt" in files, files
 
 
 def test_cuda_aware_mpi_is_known_for_mpich_4_and_open_mpi():

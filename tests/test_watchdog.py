@@ -372,7 +372,7 @@ def test_the_rank_printing_a_traceback_gathers_the_records_of_the_others(tmp_pat
     assert result.returncode != 0, result.summary()
     folder = Path(re.search(r"the ranks' last collectives: (\S+)/rank\*\.json",
                             result.output).group(1))
-    assert folder.parent == tmp_path / "1", result.summary()
+    assert folder.parent == tmp_path / "1" / f"mpicoll-{os.geteuid()}", result.summary()
     reasons = {int(p.stem[4:]): json.loads(p.read_text())["otherData"]["reason"]
                for p in folder.glob("rank*.json")}
     assert reasons == {0: "aborted by rank 1", 1: "an uncaught exception on this rank"}, reasons

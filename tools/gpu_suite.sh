@@ -17,7 +17,7 @@
 # Variables: GPU_PYTHON (python3: the interpreter whose jax has the CUDA plugin),
 # MPICC (mpicc on PATH), GPU_TESTS (the test files), GPU_RANKS ("1 2"),
 # GPU_TEST_TIMEOUT (seconds per pytest run), BENCH_ARGS, OUT (a directory for
-# logs and results).
+# logs and results; default a fresh one from mktemp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-test}
@@ -25,8 +25,11 @@ PY=$(command -v "${GPU_PYTHON:-python3}")  # absolute: ranks may get another PAT
 MPICC=${MPICC:-$(command -v mpicc)}
 MPIEXEC=$(dirname "$(command -v "$MPICC")")/mpiexec
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
-OUT=${OUT:-/tmp/mpicoll-gpu}
+# A fresh private folder unless OUT names one: a fixed /tmp name could be another
+# user's, and the C floor library built there is loaded.
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/mpicoll-gpu.XXXXXX")}
 mkdir -p "$OUT"
+echo "gpu_suite: logs and results in $OUT"
 TESTS=${GPU_TESTS:-tests/test_gpu.py tests/test_collectives.py tests/test_fusion.py tests/test_transforms.py tests/test_ordering.py tests/test_errors.py tests/test_comms.py tests/test_lowering.py}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # ranks sharing a GPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for scripts outside the root

@@ -105,6 +105,7 @@ def open_folder(path, root=None, create=True):
     """A descriptor of folder `path` to write in, held to the rule: private where `path` is
     `root` (a private_root) or below it, else a folder the user named.  Refused saying why."""
     path = os.path.abspath(path)
+    root = None if root is None else os.path.abspath(root)
     inside = root is not None and (path == root or path.startswith(root + os.sep))
     if not inside:
         return _open_folder_at(None, path, path, False, create)
