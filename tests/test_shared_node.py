@@ -201,15 +201,14 @@ def test_the_stacks_report_goes_through_the_private_folder(shared, rank):
     r.close()
 
 
-@pytest.mark.parametrize("variable", ["MPICOLL_TRACE", "MPICOLL_FLIGHT_DIR"])
-def test_a_named_folder_of_another_user_is_refused_at_import(variable, shared):
+def test_a_named_folder_of_another_user_is_refused_at_import(shared):
     temporary, _ = shared
     theirs = temporary / "theirs"
     theirs.mkdir(mode=0o777)
     os.chown(theirs, OTHER_UID, OTHER_UID)
     link = temporary / "their-link"
     _plant_link(link, temporary)  # a link of theirs to a folder root owns
-    for named in (theirs, link):
+    for variable, named in (("MPICOLL_TRACE", theirs), ("MPICOLL_FLIGHT_DIR", link)):
         run = subprocess.run([sys.executable, "-c", "import mpicoll"], capture_output=True,
                              text=True, timeout=120, env={**os.environ, variable: str(named)})
         assert run.returncode != 0, run
