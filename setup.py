@@ -127,6 +127,14 @@ class MPIBuildExt(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         mpicc = find_mpicc()
+        if ext.name == MPIABI_LIBRARY:
+            # The MPI ABI library jaxlib's MPItrampoline loads (csrc/mpiabi/abi.h): no MPI
+            # of its own and no Python, so plain C++ (the wrapper's compiler).
+            command = [*shlex.split(mpicc), "-x", "c++", "-std=c++17", "-O2", "-fPIC",
+                       "-fvisibility=hidden", "-Wall", "-shared", *ext.sources, "-o", target]
+            print(" ".join(command), flush=True)
+            subprocess.check_call(command)
+            return
         objects_dir = os.path.join(self.build_temp, "mpicoll-objects")
         os.makedirs(objects_dir, exist_ok=True)
         objects = [os.path.join(objects_dir, source.replace("/", "_") + ".o")
@@ -156,7 +164,12 @@ class MPIBuildExt(build_ext):
 CSRC = "mpicoll/csrc"
 SOURCES = [f"{CSRC}/{name}" for name in (
     "module.cc", "module_watch.cc", "entries/cpu.cc", "entries/cuda.cc",
-    "entries/host_staged.cc", "meeting/meeting.cc")]
+    "entries/host_staged.cc", "meeting/meeting.cc", "mpiabi/jax_calls.cc")]
+# The MPI ABI library for jaxlib's MPItrampoline (JAX's own CPU collectives on
+# mpicoll's MPI): built as an extension for its place in the package, though
+# Python never imports it; the same for any MPI (_mpicoll_jax_mpi.py names it).
+MPIABI_LIBRARY = "mpicoll._mpicoll_mpiabi"
+MPIABI_SOURCES = [f"{CSRC}/mpiabi/library.cc", f"{CSRC}/mpiabi/unsupported.cc"]
 DEPENDS = sorted(glob.glob(f"{CSRC}/**/*.h", recursive=True) + glob.glob(f"{CSRC}/**/*.def", recursive=True))
 
 # The MPICOLL_AS_MPI4JAX switch (_mpicoll_as_mpi4jax.py): a .pth file in site-packages,
@@ -178,8 +191,9 @@ class Distribution(setuptools.dist.Distribution):
 if __name__ == "__main__":  # also when pip's build backend runs it; not when a test imports it
     setup(
         ext_modules=[Extension(f"mpicoll._mpicoll_ffi_{mpi_family(find_mpicc())}", SOURCES,
-                               depends=DEPENDS)],
+                               depends=DEPENDS),
+                     Extension(MPIABI_LIBRARY, MPIABI_SOURCES, depends=DEPENDS)],
         cmdclass={"build_ext": MPIBuildExt},
-        data_files=[(SITE_PACKAGES, ["mpicoll_as_mpi4jax.pth"])],
+        data_files=[(SITE_PACKAGES, ["mpicoll_as_mpi4jax.pth", "mpicoll_jax_mpi.pth"])],
         distclass=Distribution,
     )

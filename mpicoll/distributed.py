@@ -130,6 +130,10 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
     address, bind_address, problem = world.bcast(found, root=0)
     if problem:
         raise RuntimeError(f"mpicoll.distributed.initialize: {problem}")
+    # JAX's own CPU collectives (XLA's partitioner's) on mpicoll's MPI where every
+    # rank can, else on gloo (over_ranks/jax_transport.py); before the backends start.
+    from ._src.over_ranks import jax_transport
+    transport, why = jax_transport.choose()
     # JAX's coordination service (no authentication) listens where its ranks
     # connect, not on every interface ([::], JAX's default); the user's own
     # choice (coordinator_bind_address=, JAX_COORDINATOR_BIND_ADDRESS) wins.
@@ -141,7 +145,11 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                **jax_arguments)
     _initialized = True
     from ._src import install
-    if where.node_count == 1:
+    if transport == "mpi":
+        install.later("jax-collectives-on-mpi", "jax_cpu_collectives_implementation: \"mpi\", "
+                      "through mpicoll's MPI ABI library (jaxlib's MPItrampoline)",
+                      lambda: why)
+    elif where.node_count == 1:
         install.later("gloo-on-loopback", "JAX's CPU backend factory: gloo's listeners on "
                       "127.0.0.1 (every rank on one node)", _bind_gloo_to_loopback)
     from ._src.over_ranks import (

@@ -47,6 +47,7 @@
 #include "meeting/kinds.def"
 #include "entries/entries.h"
 #include "module_watch.h"
+#include "mpiabi/jax_calls.h"
 #include "ops.def"
 #include "xla/ffi/api/ffi.h"
 #ifdef MPICOLL_CUDA
@@ -564,7 +565,7 @@ PyMethodDef methods[] = {
 PyMethodDef* AllMethods() {
   static std::vector<PyMethodDef> all = [] {
     std::vector<PyMethodDef> joined;
-    for (const PyMethodDef* table : {methods, watch_methods}) {
+    for (const PyMethodDef* table : {methods, watch_methods, jax_mpi_methods}) {
       for (const PyMethodDef* m = table; m->ml_name; ++m) joined.push_back(*m);
     }
     joined.push_back({nullptr, nullptr, 0, nullptr});

@@ -94,24 +94,25 @@ def _shown(text, lines):
 
 
 def _field(where, data, key, kind, lines=False, optional=False, low=None, high=None):
-    """data[key] checked to be `kind` (int: not a bool; str: control characters shown
-    escaped; "int or None"), within [low, high] for an int."""
-    if key not in data:
+    """data[key] checked to be `kind`: int (not a bool; within [low, high]), "int or None",
+    bool, or str (characters a terminal acts on shown escaped; `lines`: newlines kept)."""
+    try:
+        value = data[key]
+    except KeyError:
         if optional:
             return None
-        raise Malformed(f"{where}: no {key!r}")
-    value = data[key]
-    if value is None and kind == "int or None":
-        return None
-    wanted = int if kind == "int or None" else kind
-    if wanted is int and (type(value) is not int):
-        raise Malformed(f"{where}: {key!r} is {type(value).__name__} {value!r:.40}, not a "
-                        "whole number")
-    if wanted is not int and type(value) is not wanted:
-        raise Malformed(f"{where}: {key!r} is {type(value).__name__}, not {wanted.__name__}")
-    if wanted is int and ((low is not None and value < low) or (high is not None and value > high)):
+        raise Malformed(f"{where}: no {key!r}") from None
+    if kind == "int or None":
+        if value is None:
+            return None
+        kind = int
+    if type(value) is not kind:
+        wanted = "a whole number" if kind is int else kind.__name__
+        raise Malformed(f"{where}: {key!r} is {type(value).__name__} {value!r:.40}, not "
+                        f"{wanted}")
+    if kind is int and ((low is not None and value < low) or (high is not None and value > high)):
         raise Malformed(f"{where}: {key!r} is {value}, outside {low}..{high}")
-    if wanted is str:
+    if kind is str and not value.isprintable():  # (the common case: nothing to escape)
         return _shown(value, lines)
     return value
 

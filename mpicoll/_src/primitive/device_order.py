@@ -79,11 +79,7 @@ def size_xla_cpu_pool(warn_if_late=False):
                 f"Import mpicoll before any JAX computation, or set "
                 f"PJRT_NPROC={2 * cpu_device_count()} (docs/devices.md)", stacklevel=3)
         return "too late: JAX's backends had started"
-    devices = getattr(jax.config, "jax_num_cpu_devices", -1)
-    if not isinstance(devices, int) or devices < 0:
-        found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
-                           os.environ.get("XLA_FLAGS", ""))
-        devices = int(found[-1]) if found else 1
+    devices = cpu_devices_asked()
     if devices > 1 and _cores() < 2 * devices:
         _pool_we_set = os.environ["PJRT_NPROC"] = str(2 * devices)
         return f"PJRT_NPROC={_pool_we_set} ({devices} CPU devices, {_cores()} cores)"
@@ -91,6 +87,17 @@ def size_xla_cpu_pool(warn_if_late=False):
 
 
 _pool_we_set = ""  # the PJRT_NPROC size_xla_cpu_pool set, which it may change again
+
+
+def cpu_devices_asked():
+    """The CPU devices this process's CPU backend will make (before it starts): the
+    jax_num_cpu_devices option, else XLA_FLAGS' host device count, else 1."""
+    devices = getattr(jax.config, "jax_num_cpu_devices", -1)
+    if not isinstance(devices, int) or devices < 0:
+        found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                           os.environ.get("XLA_FLAGS", ""))
+        devices = int(found[-1]) if found else 1
+    return devices
 
 
 def cpu_device_count():

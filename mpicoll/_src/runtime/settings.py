@@ -29,6 +29,9 @@ MPICOLL_* variable nothing reads warns once, with the closest known name.
   MPICOLL_GATHER_PIECES        0 (automatic) | N: the local meeting's allgather in N pieces
   MPICOLL_AS_MPI4JAX           off | on: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
                                by _mpicoll_as_mpi4jax.py, beside the package; here for info)
+  MPICOLL_JAX_COLLECTIVES      auto | gloo: after mpicoll.distributed.initialize() JAX's own CPU
+                               collectives run on mpicoll's MPI (auto, one device per process)
+                               or on JAX's gloo (read at start-up by _mpicoll_jax_mpi.py too)
   MPICOLL_FT                   off | on: the job was launched fault-tolerant (launch/mpirun.sh
                                adds ULFM's flags): a lost rank raises mpicoll.RankLost
 (the two thresholds are per device at 2 local devices; they scale as 1 / (L - 1)).
@@ -60,6 +63,7 @@ CHECK_MODES = ("off", "first-run", "every-call")
 AUTODIFF_MODES = ("checked", "convention")
 DISPATCH_CHOICES = ("default", "device-order", "tokens")
 GPU_TRANSPORTS = ("auto", "staged", "cuda-aware")
+JAX_COLLECTIVES = ("auto", "gloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,11 @@ class Settings:
     # Acted on before mpicoll is imported, by the .pth file the install puts in
     # site-packages (_mpicoll_as_mpi4jax.py); read here so that info shows it.
     as_mpi4jax: bool = False
+    # JAX's own CPU collectives (the ones XLA's partitioner inserts): "auto" runs
+    # them on mpicoll's MPI after mpicoll.distributed.initialize() where they can
+    # (over_ranks/jax_transport.py), "gloo" leaves them on JAX's gloo.  Acted on at
+    # start-up too, by _mpicoll_jax_mpi.py (MPITRAMPOLINE_LIB).
+    jax_collectives: str = "auto"
     # Set by launch/mpirun.sh (MPICOLL_FT=1) for a fault-tolerant launch; read by
     # survive.py (a job that survives a lost rank, docs/surviving.md).
     ft: bool = False
@@ -207,6 +216,7 @@ _VARIABLES = {
     "split_allreduce_bytes": ("MPICOLL_SPLIT_ALLREDUCE_BYTES", _bytes),
     "gather_pieces": ("MPICOLL_GATHER_PIECES", _count),
     "as_mpi4jax": ("MPICOLL_AS_MPI4JAX", _flag),
+    "jax_collectives": ("MPICOLL_JAX_COLLECTIVES", _choice(JAX_COLLECTIVES)),
     "ft": ("MPICOLL_FT", _flag),
 }
 

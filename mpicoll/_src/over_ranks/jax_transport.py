@@ -1,0 +1,90 @@
+"""JAX's own CPU collectives (the ones XLA's partitioner inserts into a plain `jit`) on
+mpicoll's MPI.
+
+jaxlib's MPItrampoline loads mpicoll's MPI ABI library at `import jax` under an MPI
+launcher (_mpicoll_jax_mpi.py, beside the package, sets MPITRAMPOLINE_LIB at
+start-up); mpicoll.distributed.initialize() calls choose() before JAX's backends
+start, which, where every rank can, connects the library to mpicoll's extension
+(csrc/mpiabi/jax_calls.cc: a duplicate of COMM_WORLD for XLA's collectives) and
+sets jax_cpu_collectives_implementation to "mpi".  Else JAX's gloo carries them,
+and choose() says why (`python -m mpicoll info` shows it):
+
+* MPICOLL_JAX_COLLECTIVES=gloo (the opt-out);
+* more than one CPU device per process: XLA's MPI collectives refuse to make a
+  communicator from a device's own thread (xla#16430), and splitting COMM_WORLD
+  from several threads of a process would give wrong groups;
+* the trampoline did not load mpicoll's library (no MPI launcher's variables at
+  start-up, a MPITRAMPOLINE_LIB of the user's, `python -S`, or an install without
+  the .pth file).
+
+The ranks agree on the choice first (one allreduce), so that all or none connect.
+"""
+
+import os
+
+from mpi4py import MPI
+
+from ..runtime import native, settings
+
+_chosen = None  # ("mpi" or "gloo", why), once choose() has run
+
+
+def _library():
+    import _mpicoll_jax_mpi
+
+    return _mpicoll_jax_mpi.library_path()
+
+
+def _problem_here():
+    """Why this rank cannot run JAX's collectives on mpicoll's MPI, or None."""
+    from ..primitive import device_order
+
+    if settings.current().jax_collectives == "gloo":
+        return "MPICOLL_JAX_COLLECTIVES=gloo"
+    devices = device_order.cpu_devices_asked()
+    if devices > 1:
+        return (f"{devices} CPU devices per process: XLA's MPI collectives take one device "
+                "per process (xla#16430)")
+    try:
+        path = _library()
+    except ImportError:
+        return "_mpicoll_jax_mpi.py (beside the package) is not installed"
+    if os.environ.get("MPITRAMPOLINE_LIB") != path:
+        given = os.environ.get("MPITRAMPOLINE_LIB")
+        return ("jaxlib's MPItrampoline was pointed at another library "
+                f"(MPITRAMPOLINE_LIB={given})" if given else
+                "jaxlib's MPItrampoline has no library (MPITRAMPOLINE_LIB was not set when "
+                "the process started: not under an MPI launcher, or no mpicoll_jax_mpi.pth)")
+    problem = native.extension.jax_mpi_library_problem(path)
+    return problem or None
+
+
+def choose():
+    """On every rank, before JAX's backends start: JAX's CPU collectives on mpicoll's MPI
+    where every rank can, else on gloo; returns (transport, why)."""
+    global _chosen
+    import jax
+
+    problem = _problem_here()
+    problems = MPI.COMM_WORLD.allgather(problem)
+    first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
+    if first is None:
+        connected = native.extension.connect_jax_mpi(_library())
+        if connected:  # the same on every rank (one build): no rank has connected
+            raise RuntimeError(f"mpicoll.distributed.initialize: {connected}")
+        jax.config.update("jax_cpu_collectives_implementation", "mpi")
+        _chosen = ("mpi", "mpicoll's MPI (a duplicate of COMM_WORLD)")
+    else:
+        rank, why = first
+        where = "" if all(p == why for p in problems) else f" (rank {rank})"
+        _chosen = ("gloo", f"{why}{where}")
+    return _chosen
+
+
+def transport():
+    """(transport, why) of JAX's own CPU collectives in this process: "mpi" or "gloo", or
+    (None, why) before mpicoll.distributed.initialize()."""
+    if _chosen is None:
+        return None, "JAX's own (gloo) where JAX's multi-process runtime runs; mpicoll's " \
+            "MPI after mpicoll.distributed.initialize()"
+    return _chosen
