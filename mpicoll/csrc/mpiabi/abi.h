@@ -3,7 +3,7 @@
 // jaxlib embeds MPItrampoline, which loads the library MPITRAMPOLINE_LIB names
 // and calls the MPI ABI ("MPIABI_Allreduce", constants such as
 // "MPIABI_COMM_WORLD") through it when jax_cpu_collectives_implementation is
-// "mpi".  mpicoll's library (library.cc, built as mpicoll/_mpicoll_mpiabi.so,
+// "mpi".  mpicoll's library (library.cc, built as mpicoll/_mpicoll_mpiabi*.so,
 // with no MPI of its own) exports every name jaxlib resolves (names.def) and
 // forwards the calls XLA makes to mpicoll's extension, which connects to it at
 // mpicoll.distributed.initialize() (jax_calls.cc) and runs them on the job's

@@ -1,5 +1,5 @@
 // mpicoll's MPI ABI library for jaxlib's MPItrampoline (abi.h says the design):
-// built as mpicoll/_mpicoll_mpiabi.so with no MPI of its own, loaded by the
+// built as mpicoll/_mpicoll_mpiabi*.so with no MPI of its own, loaded by the
 // trampoline at `import jax` where MPITRAMPOLINE_LIB names it
 // (_mpicoll_jax_mpi.py sets it under an MPI launcher).
 //
