@@ -314,3 +314,6 @@ def test_pip_install_into_a_fresh_venv_builds_against_this_mpi_and_runs(tmp_path
     for rank in (0, 1):
         assert f"rank {rank} {venv_site}/mpicoll/__init__.py [1.0, 3.0, 5.0]" in job.stdout, \
             job.summary()
+    # JAX's own collectives on this MPI: the ABI library and its start-up line installed.
+    assert list(pathlib.Path(venv_site, "mpicoll").glob("_mpicoll_mpiabi*.so")), venv_site
+    assert pathlib.Path(venv_site, "mpicoll_jax_mpi.pth").is_file(), venv_site
