@@ -48,6 +48,11 @@ def test_the_library_has_every_name_the_installed_jaxlib_resolves():
     wanted = mpiabi_names.names_in(mpiabi_names.installed_libjax_common())
     table = mpiabi_names.read_table()
     assert len(wanted) > 600 and wanted <= table, sorted(wanted - table)[:20]
+    # Only a checked jaxlib gets the library at start-up (a missing name would end
+    # every process at `import jax`): a new one is checked, then added.
+    assert _mpicoll_jax_mpi.jaxlib_version() in _mpicoll_jax_mpi.VERIFIED_JAXLIB, (
+        f"jaxlib {_mpicoll_jax_mpi.jaxlib_version()}: run tools/mpiabi_names.py against it and "
+        "add it to _mpicoll_jax_mpi.VERIFIED_JAXLIB once its names are all in names.def")
     library = ctypes.CDLL(_mpicoll_jax_mpi.library_path())
     missing = [f"{prefix}_{name}" for prefix, name, _ in table
                if not hasattr(library, f"{prefix}_{name}")]
@@ -113,6 +118,13 @@ def test_the_reasons_jaxs_collectives_stay_on_gloo(monkeypatch):
     from mpicoll._src.primitive import device_order
     from mpicoll._src.runtime import settings
 
+    import _mpicoll_jax_mpi as hook
+
+    monkeypatch.setattr(hook, "jaxlib_version", lambda: "9.9.9")
+    assert "jaxlib 9.9.9 is not one mpicoll's MPI ABI library was checked against" in \
+        jax_transport._problem_here()
+    assert hook.prepare({}) is None  # nor is the trampoline pointed at it
+    monkeypatch.undo()
     monkeypatch.delenv("MPITRAMPOLINE_LIB", raising=False)
     assert "MPITRAMPOLINE_LIB was not set" in jax_transport._problem_here()
     monkeypatch.setenv("MPITRAMPOLINE_LIB", "/elsewhere/libmpiwrapper.so")

@@ -15,7 +15,8 @@ and choose() says why (`python -m mpicoll info` shows it):
   from several threads of a process would give wrong groups;
 * the trampoline did not load mpicoll's library (no MPI launcher's variables at
   start-up, a MPITRAMPOLINE_LIB of the user's, `python -S`, or an install without
-  the .pth file).
+  the .pth file), or the installed jaxlib is not one the library's names were
+  checked against (_mpicoll_jax_mpi.VERIFIED_JAXLIB).
 
 The ranks agree on the choice first (one allreduce), so that all or none connect.
 """
@@ -46,9 +47,14 @@ def _problem_here():
         return (f"{devices} CPU devices per process: XLA's MPI collectives take one device "
                 "per process (xla#16430)")
     try:
-        path = _library()
+        import _mpicoll_jax_mpi
     except ImportError:
         return "_mpicoll_jax_mpi.py (beside the package) is not installed"
+    path = _mpicoll_jax_mpi.library_path()
+    version = _mpicoll_jax_mpi.jaxlib_version()
+    if version not in _mpicoll_jax_mpi.VERIFIED_JAXLIB:
+        return (f"jaxlib {version} is not one mpicoll's MPI ABI library was checked against "
+                f"({', '.join(_mpicoll_jax_mpi.VERIFIED_JAXLIB)}; tools/mpiabi_names.py)")
     if os.environ.get("MPITRAMPOLINE_LIB") != path:
         given = os.environ.get("MPITRAMPOLINE_LIB")
         return ("jaxlib's MPItrampoline was pointed at another library "
