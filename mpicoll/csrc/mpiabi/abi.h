@@ -17,6 +17,20 @@
 //     the same in both units (Token), distinct (checked at compile time).
 //   * Handles made at run time (communicators, requests) are pointers to boxes
 //     the extension owns, told from the fixed tokens by a magic word.
+//
+// What the trampoline does (MPItrampoline 5.3.1 in jaxlib 0.10.2 and 0.12.0.1,
+// read from its disassembly): it reads MPITRAMPOLINE_LIB (the environment, else
+// a global `const char* MPITRAMPOLINE_LIB` symbol) once, in a constructor when
+// jaxlib loads; dlopens with RTLD_LAZY | RTLD_DEEPBIND; requires ABI 2.x, x >= 9;
+// calls mpiwrapper_export_fortran_constants_(); reads 140 constants as ints and
+// 120 as pointers, then the 374 functions, and exit(1)s at the first name it
+// cannot find.  XLA's CPU collectives call 15 functions (Init_thread, Comm_rank,
+// Comm_size, Is_thread_main, Comm_split, Comm_free, Allreduce, Allgather,
+// Reduce_scatter, Sendrecv, Isend, Irecv, Wait, Error_string, Finalize), pass
+// MPI_STATUS_IGNORE and never MPI_IN_PLACE, and free their communicators after
+// their exit-time Finalize.  With several CPU devices per process XLA refuses
+// (Is_thread_main is false on a device's thread): JAX's collectives stay on
+// gloo there (over_ranks/jax_transport.py).
 #pragma once
 
 #include <cstddef>
