@@ -37,6 +37,16 @@ def test_a_plain_jit_programs_collectives_run_on_the_jobs_mpi(ranks, order):
 
 
 @serial_only
+def test_two_devices_per_process_stay_on_gloo_and_compute_the_same():
+    # XLA's MPI collectives refuse them (over_ranks/jax_transport.py): gloo, chosen
+    # and said so, with the same answers.
+    result = run_mpiexec(2, [sys.executable, PROGRAM, "mpicoll-first", "gloo", 2], timeout=300,
+                         cwd=PROGRAM.parent)
+    assert result.returncode == 0, result.summary()
+    assert "ALL OK (2 ranks x 2 devices, gloo)" in result.stdout, result.summary()
+
+
+@serial_only
 def test_the_opt_out_keeps_gloo():
     result = run_mpiexec(2, [sys.executable, PROGRAM, "jax-first", "gloo"], timeout=240,
                          cwd=PROGRAM.parent, env={"MPICOLL_JAX_COLLECTIVES": "gloo"})

@@ -3,7 +3,7 @@ mpicoll.distributed.initialize(): the collectives XLA's partitioner inserts
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) run on
 the job's MPI through mpicoll's MPI ABI library, not on gloo.
 
-    mpiexec -n R python plain_jit.py ORDER [EXPECTED_TRANSPORT]
+    mpiexec -n R python plain_jit.py ORDER [EXPECTED_TRANSPORT [LOCAL_DEVICES]]
 
 ORDER: "jax-first" imports jax before mpicoll, "mpicoll-first" the other way.
 Each case is checked against numpy on the gathered data, and its compiled
@@ -14,10 +14,11 @@ beyond MPI's own is opened but the coordination service's, on rank 0 alone
 
 import sys
 
-from _common import listeners, report_and_exit
+from _common import fake_cpu_devices, listeners, report_and_exit
 
 ORDER = sys.argv[1]
 EXPECTED = sys.argv[2] if len(sys.argv) > 2 else "mpi"
+LOCAL = fake_cpu_devices(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 
 if ORDER == "jax-first":
     import jax  # noqa: E402
@@ -50,7 +51,7 @@ mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(jax.sharding.Axi
 rows = NamedSharding(mesh, P("x"))
 columns = NamedSharding(mesh, P(None, "x"))
 replicated = NamedSharding(mesh, P())
-N = SIZE
+N = SIZE * LOCAL  # every sharded extent divisible by the device count
 rng = np.random.default_rng(7)  # the same data on every rank: the global arrays
 X = rng.standard_normal((8 * N, 2 * N)).astype(np.float32)
 W = rng.standard_normal((8 * N, 4 * N)).astype(np.float32)
@@ -175,4 +176,5 @@ opened = sorted(set(listeners()) - set(MPIS_OWN))
 if EXPECTED == "mpi" and len(opened) != (1 if RANK == 0 else 0):
     failures.append(f"listeners beyond MPI's own and the coordination service: {opened}")
 
-report_and_exit(failures, f"({SIZE} ranks, {transport})")
+report_and_exit(failures, f"({SIZE} ranks" + (f" x {LOCAL} devices" if LOCAL > 1 else "")
+                + f", {transport})")

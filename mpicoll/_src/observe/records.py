@@ -124,7 +124,7 @@ def load(directory):
 
     numbered = [(int(m.group(1)), p) for p in glob.glob(os.path.join(directory, "rank*.json"))
                 if (m := _RANK_FILE.search(p))]
-    paths = [(n, p) for n, p in sorted(numbered)]
+    paths = sorted(numbered)
     if not paths:
         raise ValueError(f"{directory}: no rank<r>.json files (mpicoll writes them there on a "
                          "stall, a timeout, an abort or SIGUSR1 (MPICOLL_FLIGHT_DIR), or at "

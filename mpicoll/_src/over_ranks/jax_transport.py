@@ -30,12 +30,6 @@ from ..runtime import native, settings
 _chosen = None  # ("mpi" or "gloo", why), once choose() has run
 
 
-def _library():
-    import _mpicoll_jax_mpi
-
-    return _mpicoll_jax_mpi.library_path()
-
-
 def _problem_here():
     """Why this rank cannot run JAX's collectives on mpicoll's MPI, or None."""
     from ..primitive import device_order
@@ -75,7 +69,9 @@ def choose():
     problems = MPI.COMM_WORLD.allgather(problem)
     first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
     if first is None:
-        connected = native.extension.connect_jax_mpi(_library())
+        import _mpicoll_jax_mpi  # (importable: _problem_here said so on every rank)
+
+        connected = native.extension.connect_jax_mpi(_mpicoll_jax_mpi.library_path())
         if connected:  # the same on every rank (one build): no rank has connected
             raise RuntimeError(f"mpicoll.distributed.initialize: {connected}")
         jax.config.update("jax_cpu_collectives_implementation", "mpi")

@@ -171,7 +171,7 @@ def read_file(path, limit, owner=None):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise
+        raise  # missing is the caller's to judge (the stacks report not written yet)
     except OSError as error:
         raise Refused(f"{path} is a link, not a file" if error.errno == errno.ELOOP
                       else f"{path}: {error.strerror}") from None

@@ -229,15 +229,16 @@ int Sendrecv(const void* send, int send_count, uintptr_t send_token, int destina
   return rc;
 }
 
-int Isend(const void* send, int count, uintptr_t type_token, int destination, int tag,
-          uintptr_t comm_token, uintptr_t* request) {
+// A nonblocking call (`start`: MPI_Isend or MPI_Irecv with its buffer and
+// peer bound) on the ABI's handles; its request boxed for Wait.
+template <typename Start>
+int StartRequest(uintptr_t type_token, uintptr_t comm_token, uintptr_t* request, Start start) {
   MPI_Comm comm;
   MPI_Datatype type;
   if (!CommOf(comm_token, &comm)) return kUnknownHandle;
   if (!TypeOf(type_token, &type)) return kUnsupportedType;
   auto* box = new RequestBox;
-  const int rc = MPI_Isend(send, count, type, RankOf(destination), TagOf(tag), comm,
-                           &box->request);
+  const int rc = start(type, comm, &box->request);
   if (rc != MPI_SUCCESS) {
     delete box;
     return rc;
@@ -246,21 +247,22 @@ int Isend(const void* send, int count, uintptr_t type_token, int destination, in
   return MPI_SUCCESS;
 }
 
+int Isend(const void* send, int count, uintptr_t type_token, int destination, int tag,
+          uintptr_t comm_token, uintptr_t* request) {
+  return StartRequest(type_token, comm_token, request,
+                      [&](MPI_Datatype type, MPI_Comm comm, MPI_Request* made) {
+                        return MPI_Isend(send, count, type, RankOf(destination), TagOf(tag),
+                                         comm, made);
+                      });
+}
+
 int Irecv(void* receive, int count, uintptr_t type_token, int source, int tag,
           uintptr_t comm_token, uintptr_t* request) {
-  MPI_Comm comm;
-  MPI_Datatype type;
-  if (!CommOf(comm_token, &comm)) return kUnknownHandle;
-  if (!TypeOf(type_token, &type)) return kUnsupportedType;
-  auto* box = new RequestBox;
-  const int rc = MPI_Irecv(receive, count, type, RankOf(source), TagOf(tag), comm,
-                           &box->request);
-  if (rc != MPI_SUCCESS) {
-    delete box;
-    return rc;
-  }
-  *request = reinterpret_cast<uintptr_t>(box);
-  return MPI_SUCCESS;
+  return StartRequest(type_token, comm_token, request,
+                      [&](MPI_Datatype type, MPI_Comm comm, MPI_Request* made) {
+                        return MPI_Irecv(receive, count, type, RankOf(source), TagOf(tag), comm,
+                                         made);
+                      });
 }
 
 int Wait(uintptr_t* request, void* status) {
