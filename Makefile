@@ -4,6 +4,9 @@
 #   make install                 venv + dependencies + editable mpicoll (quick when up to date)
 #   make test                    pytest serially, then under mpiexec -n 2, 3, 4
 #   make demo                    examples/demo.py under mpiexec -n 2
+#   make demo-slurm              the same as a SLURM batch job (launch/slurm.sbatch) on a
+#                                one-node SLURM brought up on localhost (root; installs
+#                                slurm-wlm + munge); its output in SLURM_OUT (slurm-out/)
 #   make test-mpi4jax-suite      mpi4jax 0.9's own tests (downloaded) against mpicoll.mpi4jax,
 #                                at 1 and 2 ranks (tools/mpi4jax_suite.sh)
 #   make soak-devices            the longer ranks x devices soak: 16 MiB leaves, 1,000
@@ -52,9 +55,10 @@
 #   TESTS        what pytest collects (default tests), e.g. TESTS=tests/test_build.py
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-k allreduce -v"
 #   TEST_TIMEOUT seconds one pytest run may take before it is killed (default 1800:
-#                the serial run takes about 800 s on 2 quiet cores, plus about 180 s
-#                the first time, when tests/test_survive.py makes the Open MPI venv;
-#                a deadlock fails the run instead of hanging CI)
+#                the serial run took 1213 s on 2 cores (partly loaded), plus about
+#                190 s the first time, when tests/test_survive.py makes the Open MPI
+#                venv; a deadlock fails the run instead of hanging CI, and what the
+#                run left behind is ended after it)
 #   BENCH_ARGS   arguments for benchmarks/bench.py, e.g. BENCH_ARGS=--quick or
 #                BENCH_ARGS="--ops allreduce --sizes 4 1KiB 64MiB" (see its --help)
 #   BENCH_TIMEOUT seconds `make bench` may run before it is killed
@@ -225,7 +229,7 @@ $(STAMP_VENV):
 # jax/jaxlib pip finds for this Python is what mpicoll is built and tested against.
 $(STAMP_DEPS): $(STAMP_VENV) $(MPICC_CHOICE) setup.cfg Makefile
 	$(PIP) install -q --progress-bar off "setuptools>=70" wheel
-	$(PIP) install -q --progress-bar off $(MPI_WHEEL) "jax>=0.10" "jaxlib>=0.10" numpy pytest pytest-mpi hypothesis
+	$(PIP) install -q --progress-bar off $(MPI_WHEEL) "jax>=0.10" "jaxlib>=0.10" numpy pytest pytest-mpi hypothesis optax
 	$(MPI4PY_INSTALL)
 	@touch $@
 
@@ -247,7 +251,9 @@ $(STAMP_MPICOLL): $(STAMP_DEPS) $(MPICC_CHOICE) setup.py setup.cfg pyproject.tom
 
 # --- Tests -----------------------------------------------------------------------
 # Each rank count is a separate pytest run bounded by TEST_TIMEOUT; all of them run
-# even when one fails, and the target fails at the end if any did.  Rank count 1 is
+# even when one fails, and the target fails at the end if any did.  What a run
+# leaves behind (a job of a test killed at the timeout, in a session of its own)
+# is ended after it (tools/end-test-run.sh, by the MPICOLL_TEST_RUN marker).  Rank count 1 is
 # plain pytest; more use pytest-mpi (--with-mpi) under this venv's mpiexec, with
 # OVERSUBSCRIBED_ENV when ranks outnumber cores.  Only rank 0 prints as it goes
 # (tools/rank-output.sh); the other ranks' logs go to $(VENV)/test-logs, and
@@ -268,7 +274,9 @@ test: install
 	    fi; \
 	    echo; echo "=== $$label: $$cmd"; \
 	    start=$$(date +%s); \
-	    if $(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(MPIEXEC_ENV) $(TIMEOUT) $(TEST_TIMEOUT) $$cmd; then rc=0; else rc=$$?; fi; \
+	    run="$$$$-$$n-$$start"; \
+	    if $(VENV_PATH) MPICOLL_TEST_RUN=$$run MPICOLL_MPIEXEC='$(MPIEXEC)' $(MPIEXEC_ENV) $(TIMEOUT) $(TEST_TIMEOUT) $$cmd; then rc=0; else rc=$$?; fi; \
+	    sh tools/end-test-run.sh "$$run"; \
 	    secs=$$(( $$(date +%s) - start )); \
 	    for log in "$$logs"/rank-*.log; do \
 	        [ -f "$$log" ] || continue; r=$${log##*/rank-}; r=$${r%.log}; \
@@ -320,6 +328,25 @@ bench-multihost: install
 
 demo: install
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(DEMO_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 $(VPY) examples/demo.py
+
+# launch/slurm.sbatch on a one-node SLURM brought up on localhost for the purpose
+# (root; Debian's slurm-wlm + munge, which launch/install_slurm.sh installs): the
+# daemons and their files in a fresh folder under /tmp (the munge user must
+# traverse it), the job's output in SLURM_OUT (made here: sbatch does not make
+# an --output folder, and a job given a missing one fails with no output), the
+# daemons stopped and their folder removed at the end, also when the job fails.
+SLURM_OUT ?= slurm-out
+SLURM_SCRIPT ?= examples/demo.py
+demo-slurm: install
+	@bash launch/install_slurm.sh
+	@cluster=$$(mktemp -d /tmp/mpicoll-slurm-XXXXXX); chmod 755 "$$cluster"; mkdir -p '$(SLURM_OUT)'; \
+	trap 'bash launch/local_slurm.sh stop "$$cluster"; rm -rf "$$cluster"' EXIT; \
+	bash launch/local_slurm.sh start "$$cluster" $$$$ && \
+	SLURM_CONF="$$cluster/slurm.conf" MPICOLL_VENV='$(abspath $(VENV))' PATH="$$PATH:/usr/sbin:/sbin" \
+	    $(TIMEOUT) 600 sbatch --wait --parsable --output='$(SLURM_OUT)/%x-%j.out' \
+	    launch/slurm.sbatch $(SLURM_SCRIPT) >"$$cluster/job"; rc=$$?; job=$$(cut -d';' -f1 "$$cluster/job"); \
+	for out in '$(SLURM_OUT)'/*-"$$job".out; do [ -n "$$job" ] && [ -f "$$out" ] && echo "=== $$out" && cat "$$out"; done; \
+	echo "=== SLURM job $$job: exit $$rc"; exit $$rc
 
 # --- Benchmark -------------------------------------------------------------------
 # Extras only the benchmark needs, installed once into the same venv (stamp):
@@ -387,6 +414,7 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) $(MPIEXEC_FLAGS) -n 2 \
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/plain_jit.py
+	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/plain_jit.py --local 2
 	for local in 1 2 4; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
 	    --floor-lib $(FLOOR_LIB) || exit 1; done

@@ -1,22 +1,22 @@
 """A plain `jax.jit` on global arrays: the partitioner's collectives on mpicoll's MPI
 against JAX's gloo, and against the same program written with shard_map on mpicoll.
 
-    python benchmarks/plain_jit.py [--ranks 2] [--rounds 3]
+    python benchmarks/plain_jit.py [--ranks 2] [--local 1] [--rounds 3]
 
 It launches the worker (this file, --worker) under the venv's mpiexec, in rounds
 that alternate the transport (MPICOLL_JAX_COLLECTIVES unset: mpicoll's MPI; =gloo:
-JAX's gloo), one CPU device per process.  Each worker, after
+JAX's gloo), --local CPU devices per process.  Each worker, after
 mpicoll.distributed.initialize(), times (block_until_ready, 20 calls of warm-up,
 the median of --steps calls, the slowest rank's median):
 
-  plain jit 4 B     jnp.sum of a global f32 array, one element per process
-  plain jit 4 MiB   jnp.sum(x, axis=0) of a global (P, 1 Mi) f32 array, 4 MiB per process
+  plain jit 4 B     jnp.sum of a global f32 array, one element per device
+  plain jit 4 MiB   jnp.sum(x, axis=0) of a global (P L, 1 Mi / L) f32 array, 4 MiB per process
   MLP step          a data-parallel step: batch sharded, parameters replicated, jit's
                     shardings (value_and_grad of a 2-layer MLP, 64-256-10, and SGD)
   shard_map 4 B / 4 MiB   the same sums written as shard_map + jax.lax.psum (mpicoll)
 
 Prints the medians over rounds side by side with the ratios, and writes
-benchmarks/results/plain_jit.json.
+benchmarks/results/plain_jit.json (plain_jit-Ldev.json for L > 1).
 """
 
 import argparse
@@ -33,8 +33,10 @@ RESULTS = HERE / "results" / "plain_jit.json"
 ROWS = ("plain jit 4 B", "plain jit 4 MiB", "MLP step", "shard_map 4 B", "shard_map 4 MiB")
 
 
-def worker(steps):
+def worker(steps, local):
     import jax
+
+    jax.config.update("jax_num_cpu_devices", local)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -46,7 +48,7 @@ def worker(steps):
     mpicoll.distributed.initialize(initialization_timeout=60)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    mesh = jax.make_mesh((size,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((size * local,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = NamedSharding(mesh, P("x"))
     replicated = NamedSharding(mesh, P())
 
@@ -64,11 +66,11 @@ def worker(steps):
             times.append(time.perf_counter() - start)
         return world.allreduce(statistics.median(times), op=MPI.MAX)
 
-    small = global_array(np.full((1,), rank + 1.0, np.float32))
-    large = global_array(np.full((1, 1 << 20), rank + 1.0, np.float32))
+    small = global_array(np.full((local,), rank + 1.0, np.float32))
+    large = global_array(np.full((local, (1 << 20) // local), rank + 1.0, np.float32))
     total_small = jax.jit(jnp.sum)
     total_large = jax.jit(lambda x: jnp.sum(x, axis=0))
-    want = size * (size + 1) / 2
+    want = local * size * (size + 1) / 2
     assert float(total_small(small)) == want
     assert float(np.asarray(total_large(large).addressable_shards[0].data)[0]) == want
 
@@ -92,8 +94,8 @@ def worker(steps):
         "b1": np.zeros(256, np.float32),
         "w2": rng.standard_normal((256, 10)).astype(np.float32) * 0.1,
         "b2": np.zeros(10, np.float32)}.items()}
-    batch = global_array(rng.standard_normal((32, 64)).astype(np.float32))
-    target = global_array(rng.standard_normal((32, 10)).astype(np.float32))
+    batch = global_array(rng.standard_normal((32 * local, 64)).astype(np.float32))
+    target = global_array(rng.standard_normal((32 * local, 10)).astype(np.float32))
 
     result = {
         "transport": jax_transport.transport()[0],
@@ -107,13 +109,13 @@ def worker(steps):
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(ranks, transport, steps, timeout):
+def launch(ranks, local, transport, steps, timeout):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = {k: v for k, v in os.environ.items() if k != "MPICOLL_JAX_COLLECTIVES"}
     if transport == "gloo":
         env["MPICOLL_JAX_COLLECTIVES"] = "gloo"
     command = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker",
-               "--steps", str(steps)]
+               "--steps", str(steps), "--local", str(local)]
     # JAX's runtime catches SIGTERM: a stuck job needs SIGKILL.
     run = subprocess.run(["timeout", "-s", "KILL", str(timeout), *command], env=env,
                          capture_output=True, text=True)
@@ -128,24 +130,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--local", type=int, default=1, help="CPU devices per process")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--timeout", type=int, default=300)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.steps)
+        return worker(args.steps, args.local)
+    if args.output is None:
+        args.output = RESULTS if args.local == 1 else RESULTS.with_name(
+            f"plain_jit-{args.local}dev.json")
     runs = {"mpi": [], "gloo": []}
     for _ in range(args.rounds):  # interleaved, so drifts of the machine hit both
         for transport in runs:
-            result = launch(args.ranks, transport, args.steps, args.timeout)
+            result = launch(args.ranks, args.local, transport, args.steps, args.timeout)
             if result["transport"] != transport:
                 sys.exit(f"benchmarks/plain_jit.py: asked for {transport}, the job ran on "
                          f"{result['transport']}")
             runs[transport].append(result)
     medians = {t: {row: statistics.median(r[row] for r in results) for row in ROWS}
                for t, results in runs.items()}
-    print(f"plain jit at {args.ranks} ranks x 1 CPU device, medians over {args.rounds} rounds "
+    print(f"plain jit at {args.ranks} ranks x {args.local} CPU devices, medians over "
+          f"{args.rounds} rounds "
           "(the slowest rank's median per call)")
     print(f"{'':18}{'mpicoll MPI':>14}{'gloo':>14}{'gloo / MPI':>12}{'MPI / shard_map':>17}")
     for row in ROWS[:3]:
@@ -156,7 +163,8 @@ def main():
     for row in ROWS[3:]:
         print(f"{row:18}{medians['mpi'][row] * 1e6:>12.1f}us   (shard_map + lax.psum on mpicoll)")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"ranks": args.ranks, "rounds": args.rounds,
+    args.output.write_text(json.dumps({"ranks": args.ranks, "local": args.local,
+                                       "rounds": args.rounds,
                                        "medians_s": medians, "runs": runs}, indent=1))
     print(f"written: {args.output}")
     return 0

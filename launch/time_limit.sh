@@ -34,14 +34,18 @@ trap 'ended_by=137' USR2
 "$@" &
 job=$!
 trap 'kill -TERM "$job" 2>/dev/null || true' INT TERM  # Ctrl-C, scancel: to the launcher
+# The watcher's own commands run in its background and it waits for them: when
+# the job ends first and they are ended below, bash then reports nothing (a
+# foreground child ended by a signal makes it print "Terminated", which read as
+# if the job had been killed).
 (
-    sleep "$limit"
+    sleep "$limit" & wait $!
     kill -0 "$job" 2>/dev/null || exit 0
     kill -USR1 $$
     echo "launch: MPICOLL_LAUNCH_TIMEOUT=$given s reached; where the ranks are:" >&2
-    timeout -s KILL 30 "$python" -m mpicoll stacks --launcher "$job" > /dev/null
+    timeout -s KILL 30 "$python" -m mpicoll stacks --launcher "$job" > /dev/null & wait $!
     kill -TERM "$job" 2>/dev/null || exit 0
-    sleep 20
+    sleep 20 & wait $!
     if kill -0 "$job" 2>/dev/null; then kill -USR2 $$; kill -KILL "$job" 2>/dev/null; fi
 ) &
 watcher=$!

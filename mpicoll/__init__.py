@@ -13,9 +13,18 @@ import sys as _sys
 # signal a running job: the package is then imported without MPI and JAX, so
 # they run on a login node, or in a shell beside the job they inspect (Open MPI
 # 4.1 refuses to start a singleton inside a job's process tree).
-_OFFLINE = _sys.argv[:1] == ["-m"] and _sys.argv[1:2] in (["stacks"], ["flight"], ["trace"])
+# (`python -m mpicoll`: argv[0] is "-m" while the package imports; the installed
+# `mpicoll` command: its own path.)
+_OFFLINE = (_sys.argv[1:2] in (["stacks"], ["flight"], ["trace"])
+            and (_sys.argv[:1] == ["-m"] or _sys.argv[0].rsplit("/", 1)[-1] == "mpicoll"))
 
 if not _OFFLINE:
+    try:  # the MPICOLL_* settings first: a bad value is one line, not a traceback of mpicoll's
+        from ._src.runtime import settings as _settings  # noqa: F401
+    except ValueError as _error:
+        if type(_error).__name__ != "SettingError":
+            raise
+        raise ValueError(f"mpicoll: {_error} (docs/settings.md)") from None
     from ._src.ops.collectives import (
         allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
         scan, scatter)

@@ -19,7 +19,7 @@ Commands are looked up in COMMANDS by their first argument.
 
 import sys
 
-USAGE = """usage: python -m mpicoll COMMAND
+USAGE = """usage: python -m mpicoll COMMAND       (or the installed command: mpicoll COMMAND)
        python -m mpicoll script.py [args]     run a script; an uncaught exception aborts the job
        python -m mpicoll -m module [args]
 

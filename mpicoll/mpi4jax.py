@@ -273,7 +273,7 @@ def alltoall(x, *, comm=None, token=_NOTSET):
 
     Example (2 ranks)::
 
-        mpi4jax.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
+        mpi4jax.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; 1: [1, 11]
     """
     x = _leading_axis_is_size(x, comm, "alltoall", "Alltoall")
     return collectives.alltoall(x, comm=comm)
@@ -368,7 +368,7 @@ def reduce(x, op, root, *, comm=None, token=_NOTSET):
 
     Example (2 ranks)::
 
-        mpi4jax.reduce(jnp.array([rank + 1.0]), op=MPI.SUM, root=0)  # rank 0: [3.]; rank 1: [2.]
+        mpi4jax.reduce(jnp.array([rank + 1.0]), op=MPI.SUM, root=0)  # rank 0: [3.]; 1: [2.]
     """
     reduced = collectives.reduce(x, op, root, comm=comm)
     return reduced if _rank(comm, "reduce") == root else x

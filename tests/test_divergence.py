@@ -8,6 +8,7 @@ The times to end are measured in benchmarks/divergence.py (make bench).
 """
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,6 +75,25 @@ def test_ranks_at_one_collective_with_different_calls_are_named(ranks, case):
     assert result.stdout.count(f"rank {odd}: returned") == 5, result.summary()
 
 
+def test_a_mismatch_in_shard_map_names_the_lax_call_as_written_and_its_line():
+    """A jax.lax.psum over (RANKS, "dev") whose shapes differ between the ranks: each
+    rank's line names the call as the user wrote it, each device's shape, and the
+    user's line of the psum (the error surfaces later, where JAX waits on it)."""
+    result = _run(2, "lax-devices")
+    assert result.returncode == 0, result.summary()
+    line = next(number for number, text in enumerate(PROGRAM.read_text().splitlines(), 1)
+                if "the line the mismatch names" in text)
+    site = rf"called at {re.escape(str(PROGRAM))}:{line} \(<lambda>\)"
+    written = "jax.lax.psum over (mpicoll.RANKS, 'dev') of float32[{}] per device: allreduce"
+    for rank in range(2):
+        raised = re.search(rf"rank {rank}: raised JaxRuntimeError: (.*)", result.stdout)
+        assert raised and "ranks called different collectives" in raised[1], result.summary()
+        for other, block in ((0, 2), (1, 3)):
+            described = re.search(rf"rank {other}: (jax\.lax[^|]*)", raised[1])
+            assert described and described[1].startswith(written.format(block)), raised[1]
+            assert re.search(site, described[1]), described[1]
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("case,missing", [("skip-finish", "odd"), ("extra", "others")])
 def test_a_rank_that_finished_its_script_is_named_where_it_finished(ranks, case, missing):
@@ -86,12 +106,51 @@ def test_a_rank_that_finished_its_script_is_named_where_it_finished(ranks, case,
                      r"reaching the collective rank \d waits in on MPI_COMM_WORLD", head), head
     waiting = [r for r in range(ranks) if r not in gone]
     sequence = 6 if missing == "odd" else 7
-    for rank in gone:
+    assert re.search(r"waits in on MPI_COMM_WORLD, called at .*diverge\.py:\d+", head), head
+    for rank in gone:  # its last call, and the line it was made from
         assert re.match(rf"finished its script at .*diverge\.py:\d+; its last on "
-                        rf"MPI_COMM_WORLD: sequence {sequence - 1}, allreduce", lines[rank]), lines
+                        rf"MPI_COMM_WORLD: sequence {sequence - 1}, allreduce.*, called at "
+                        rf".*diverge\.py:\d+", lines[rank]), lines
     for rank in waiting:
         assert re.match(rf"in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, sequence "
                         rf"{sequence}, called at .*diverge\.py:\d+", lines[rank]), lines
+
+
+def _line_of(marker):
+    """The line number of the program's line ending with `marker`."""
+    lines = PROGRAM.read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if line.endswith(marker))
+
+
+def test_a_skipped_eager_call_names_the_line_that_waits_and_every_ranks_records(tmp_path):
+    # Each rank its own temporary directory, as on hosts that share no file system:
+    # the finished rank's records reach the folder the report names (its end notice
+    # carries its last ones).
+    own_tmp = ('r=${PMI_RANK:-$OMPI_COMM_WORLD_RANK}; export TMPDIR="$1/node$r"; '
+               'unset MPICOLL_FLIGHT_DIR; mkdir -p "$TMPDIR"; shift; exec "$@"')
+    result = run_mpiexec(2, ["/bin/sh", "-c", own_tmp, "sh", tmp_path, sys.executable,
+                             PROGRAM, "skip-eager"], timeout=180,
+                         env={"MPICOLL_TIMEOUT": "120", "MPICOLL_STALL_REPORT": "100"})
+    _ended_in_seconds(result)
+    head, lines = _one_report(result)
+    # JAX caches an eager call's program: the report names the line of the call that
+    # waits, not of the program's first caller.
+    wait = rf"diverge\.py:{_line_of('# the wait')} \(<module>\)"
+    assert re.search(rf"rank 1 has finished its script without reaching the collective rank 0 "
+                     rf"waits in on MPI_COMM_WORLD, called at .*{wait}", head), head
+    assert re.search(rf"in allreduce\(float32\[4\], op=sum\) on MPI_COMM_WORLD, sequence 7, "
+                     rf"called at .*{wait}", lines[0]), lines
+    assert re.match(r"finished its script at .*diverge\.py:\d+; its last on MPI_COMM_WORLD: "
+                    r"sequence 6, allreduce\(float32\[4\], op=sum\)$", lines[1]), lines
+    folder = re.search(r"flight records: (\S+)/rank\*\.json", result.output)[1]
+    assert folder.startswith(str(tmp_path / "node0")), folder
+    assert sorted(p.name for p in Path(folder).glob("rank*.json")) == ["rank0.json",
+                                                                      "rank1.json"]
+    flight = subprocess.run([sys.executable, "-m", "mpicoll", "flight", folder],
+                            capture_output=True, text=True, timeout=60)
+    assert "flight records of 2 of 2 ranks" in flight.stdout, flight.stdout + flight.stderr
+    assert "rank 1 has not reached sequence 7 (its last: sequence 6, allreduce(float32[4])" \
+        in flight.stdout, flight.stdout
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -116,10 +175,12 @@ def test_a_rank_that_finished_after_distributed_initialize_is_named():
     head, lines = _one_report(result)
     assert re.search(r"rank 1 has finished its script without reaching the collective "
                      r"rank 0 waits in", head), head
-    call = r"allreduce\(float32\[1\], op=sum\), over 2 local devices"
+    # the psum as written, then as mpicoll runs it
+    call = (r"jax\.lax\.psum over \('hosts', 'local'\) of float32\[1\] per device: "
+            r"allreduce\(float32\[1\], op=sum\), over 2 local devices")
     # the communicator named after the mesh axes it stands for
     assert re.match(rf"finished its script at .*diverge\.py:\d+; its last on mesh axes "
-                    rf"hosts,local: sequence 2, {call}$", lines[1]), lines
+                    rf"hosts,local: sequence 2, {call}, called at .*diverge\.py:\d+", lines[1]), lines
     assert re.match(rf"in {call} on mesh axes hosts,local, sequence 3, called at "
                     rf".*diverge\.py:\d+", lines[0]), lines
     assert "waiting for this process's other local devices" not in result.output, \

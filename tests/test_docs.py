@@ -437,6 +437,20 @@ function measure(frame, page, width) {
     code_cut: code.filter(p => p.scrollWidth > p.clientWidth + 1
       && !["auto", "scroll"].includes(w.getComputedStyle(p).overflowX)).length,
     code_scrolls: code.filter(p => p.scrollWidth > p.clientWidth + 1).length,
+    // code whose lines fit the program-code limit (PROGRAM_LINE) yet wrapped
+    short_code_wrapped: code.filter(p => {
+      const style = w.getComputedStyle(p), lines = p.textContent.replace(/\\n$/, "").split("\\n");
+      const height = p.clientHeight - parseFloat(style.paddingTop) - parseFloat(style.paddingBottom);
+      const line = parseFloat(style.lineHeight) || 1.5 * parseFloat(style.fontSize);
+      return Math.max(...lines.map(l => l.length)) <= PROGRAM_LINE
+        && height > lines.length * line + line / 2; }).length,
+    // tables wider than their container: it scrolls, and its background draws the
+    // edge shadows that say so
+    tables_without_sign: Array.from(d.querySelectorAll("table")).filter(t => {
+      const box = t.parentElement, style = w.getComputedStyle(box);
+      return box.scrollWidth > box.clientWidth + 1
+        && !(["auto", "scroll"].includes(style.overflowX)
+             && style.backgroundImage.includes("radial-gradient")); }).length,
     contents: Array.from(d.querySelectorAll("nav.page-toc a, #pst-page-toc-nav a")).length,
     search: Array.from(d.querySelectorAll("button.search-button__button, input[type=search]"))
       .filter(visible).length});
@@ -464,7 +478,8 @@ def layouts(site, browser, tmp_path_factory):
     pages = [page.with_suffix(".html").name for page in PAGES]
     wrapper = tmp_path_factory.mktemp("layout") / "layout.html"
     wrapper.write_text(_LAYOUT_PAGE.replace("PAGES", json.dumps(pages))
-                       .replace("SITE", json.dumps(f"file://{site}/")))
+                       .replace("SITE", json.dumps(f"file://{site}/"))
+                       .replace("PROGRAM_LINE", str(PROGRAM_LINE)))
     profile = tmp_path_factory.mktemp("chromium-layout")
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
                "--allow-file-access-from-files", "--window-size=1400,1000",
@@ -474,6 +489,31 @@ def layouts(site, browser, tmp_path_factory):
     found = re.search(r"RESULT (\[.*\])", html.unescape(result.stdout))
     assert found, f"no measurements: {result.stdout[-1500:]} {result.stderr[-1500:]}"
     return {(m["page"], m["width"]): m for m in json.loads(found.group(1))}
+
+
+# The longest line of program code in the pages (Python and shell blocks): at a
+# desktop width (1280 px) such a block never wraps (mpicoll.css).
+PROGRAM_LINE = 94
+
+
+def test_program_code_in_the_pages_fits_a_desktop_line():
+    long = []
+    for page in [*PAGES, REPO / "README.md"]:
+        text = page.read_text()
+        for block in re.finditer(r"```(python|py|sh|bash)\n(.*?)```", text, re.S):
+            first = text[:block.start()].count("\n") + 2
+            long += [f"{page.name}:{first + i} ({len(line)} characters)"
+                     for i, line in enumerate(block[2].split("\n")) if len(line) > PROGRAM_LINE]
+    assert not long, f"program code lines over {PROGRAM_LINE} characters: {long}"
+
+
+def test_program_code_does_not_wrap_at_desktop_width_and_wide_tables_show_they_scroll(layouts):
+    wrapped = {key: m["short_code_wrapped"] for key, m in layouts.items()
+               if key[1] == 1280 and m["short_code_wrapped"]}
+    assert not wrapped, f"code blocks of short lines wrapped at 1280 px (page, width): {wrapped}"
+    unsigned = {key: m["tables_without_sign"] for key, m in layouts.items()
+                if m["tables_without_sign"]}
+    assert not unsigned, f"tables cut with no sign that they scroll (page, width): {unsigned}"
 
 
 def test_code_wraps_or_scrolls_on_every_page_at_desktop_and_phone_widths(layouts):

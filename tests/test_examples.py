@@ -6,6 +6,7 @@ examples as separate MPI jobs (conftest.run_mpiexec: the venv's mpiexec, with
 what the MPI needs here), so only the serial run (plain pytest) runs them.
 """
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -60,6 +61,26 @@ def check_overlap_training(out):
     assert "overlap_training: ok" in out
 
 
+def check_train_sharded_optax(out, devices=1, way="ranks"):
+    assert f"train_sharded_optax: {RANKS} rank(s) x {devices} device(s), way {way}" in out, out
+    # The flax nnx variant runs wherever flax is importable (it is optional: CI has optax only).
+    models = ["optax"] + (["flax nnx"] if importlib.util.find_spec("flax") else [])
+    if len(models) == 1:
+        assert "flax nnx: skipped (flax is not installed" in out, out
+    for model in models:
+        first, last = map(float, re.search(
+            rf"^{model}: loss ([\d.]+) -> ([\d.]+) over 200 steps", out, re.M).groups())
+        assert last < 0.5 * first, out
+        assert f"{model}: parameters identical on every rank: True" in out, out
+        # Rank 0's one-process reference: the same optax (or nnx) training on whole batches,
+        # plain JAX on one device; float32 sums in another order, over 200 Adam steps.
+        parameters, losses = map(float, re.search(
+            rf"^{model}: max \|difference\| from one-process training: ([\d.e+-]+) "
+            r"\(parameters and optimizer state\), ([\d.e+-]+) \(losses\)", out, re.M).groups())
+        assert parameters < 1e-5 and losses < 1e-5, out
+    assert "train_sharded_optax: OK" in out, out
+
+
 def test_mpi4jax_port_differs_from_an_mpi4jax_program_by_its_import_only():
     code = (EXAMPLES / "mpi4jax_port.py").read_text().split('"""', 2)[2]  # after the docstring
     assert [line for line in code.splitlines() if "mpicoll" in line] == [
@@ -75,6 +96,7 @@ CHECKS = {
     "heat_equation.py": check_heat_equation,
     "mpi4jax_port.py": check_mpi4jax_port,
     "overlap_training.py": check_overlap_training,
+    "train_sharded_optax.py": check_train_sharded_optax,  # its default: --way ranks, 1 device
 }
 
 
@@ -93,3 +115,14 @@ def test_example_under_mpiexec(name):
     print(result.stdout, result.stderr, sep="\n")
     assert result.returncode == 0, result.summary()
     CHECKS[name](result.stdout)
+
+
+@serial_only
+def test_train_sharded_optax_on_a_global_mesh_of_two_devices_per_rank():
+    # The other way to place the collective (the sharded jit's own all-reduce after
+    # mpicoll.distributed.initialize()), at 2 ranks x 2 devices: one job for both.
+    result = run_mpiexec(RANKS, [sys.executable, EXAMPLES / "train_sharded_optax.py",
+                                 "--way", "global", "--devices", "2"], timeout=TIMEOUT)
+    print(result.stdout, result.stderr, sep="\n")
+    assert result.returncode == 0, result.summary()
+    check_train_sharded_optax(result.stdout, devices=2, way="global")

@@ -123,3 +123,33 @@ def test_public_functions_are_defined_outside_the_primitive_machinery():
     assert not machinery, machinery
     assert defined_in["mesh"] == defined_in["set_autodiff"] == "mpicoll._src.ops.typed_ranks"
     assert defined_in["overlap"] == defined_in["set_dispatch"] == "mpicoll._src.ops.scheduling"
+
+
+def test_jaxs_own_runtime_token_method_is_kept_for_the_dispatch_benchmark():
+    """Two install steps replace RuntimeTokenSet.get_token_input, the second wrapping
+    the first: JAX's own method stays known (benchmarks/dispatch.py's JAX arm runs
+    it), and what is in place is mpicoll's."""
+    from jax._src import dispatch as jax_dispatch
+    from mpicoll._src import _compat
+    jaxs, current = _compat.runtime_token_methods()
+    assert jaxs.__module__ == jax_dispatch.__name__, jaxs
+    assert jaxs.__qualname__ == "RuntimeTokenSet.get_token_input", jaxs
+    assert current is jax_dispatch.RuntimeTokenSet.get_token_input
+    assert current is not jaxs and current.__module__.startswith("mpicoll."), current
+
+
+def test_the_jax_installed_has_everything_the_dispatch_hooks_need():
+    """On a jax that changed what the device-order dispatch hooks into, this fails
+    (and import warns, naming it) instead of mpicoll silently dispatching slower."""
+    from mpicoll._src._compat import dispatch_hooks
+    from mpicoll._src.primitive import device_order
+    from mpicoll._src.runtime import native
+    assert dispatch_hooks.missing_hooks() == []
+    assert device_order.DEVICE_ORDER_AVAILABLE or native.SERIALIZED
+
+
+def test_a_jax_without_the_hooks_is_said_once_naming_what_is_missing():
+    from mpicoll._src.primitive import device_order
+    with pytest.warns(RuntimeWarning, match=r"changed what mpicoll's device-order dispatch "
+                      r"hooks into \(dispatch\.RuntimeTokenSet\.get_token_input.*10x slower"):
+        device_order.warn_hooks_missing(["dispatch.RuntimeTokenSet.get_token_input(eff, devices)"])

@@ -11,6 +11,8 @@ running a program from JAX's cache (jit's C++ fast path) while another runs a
 new one must raise the same type there too.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +79,13 @@ def test_mismatch_raises_on_every_rank_by_default(case, mode):
         with pytest.raises(jax.errors.JaxRuntimeError, match=MISMATCH) as error:
             jax.block_until_ready(run(argument()))
         lines = str(error.value).splitlines()
-        assert len([line for line in lines if line.lstrip().startswith("rank ")]) == SIZE, lines
+        ranks = [line for line in lines if line.lstrip().startswith("rank ")]
+        assert len(ranks) == SIZE, lines
+        # Each rank's call with the user's line of it (JAX raises where it waits).
+        assert all(re.search(r", called at .*test_mismatch\.py:\d+ ", line) for line in ranks), lines
+        if case.startswith("lax.") and mode == "jit":  # as written, then as mpicoll runs it
+            assert all("jax.lax.psum over (mpicoll.RANKS) of float32[5," in line
+                       and "per device: allreduce(" in line for line in ranks), lines
     _in_step()
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,23 @@ def _flight(directory):
     done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
                           capture_output=True, text=True, timeout=120, env=env)
     return done.returncode, done.stdout + done.stderr
+
+
+def test_the_installed_mpicoll_command_reads_records_without_mpi_or_jax(tmp_path):
+    # `mpicoll flight DIR` (the console script setup.cfg installs) is offline as
+    # `python -m mpicoll flight DIR` is: it runs on a login node, beside a live job.
+    for rank in range(3):
+        _write(tmp_path, rank, _allreduces(rank, 5))
+    script = Path(sys.executable).parent / "mpicoll"
+    assert script.exists(), f"no {script}: `make install` installs the mpicoll command"
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(_LAUNCHER_PREFIXES + _OPEN_MPI_JOB)}
+    done = subprocess.run([sys.executable, "-X", "importtime", str(script), "flight",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "the ranks agree" in done.stdout, done.stdout + done.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "mpicoll" in imported and not {"jax", "mpi4py"} & imported, sorted(imported)
 
 
 def _allreduces(rank, last, running=None, members="0,1,2"):

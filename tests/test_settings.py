@@ -155,6 +155,16 @@ def test_every_count_setting_reads_the_same_spellings(variable):
 _MISSPELT = {"MPICOLL_TIMOUT", "MPICOLL_STALLREPORT", "MPICOLL_CHEK", "MPICOLL_ZEBRA"}
 
 
+def test_a_misspelt_prefix_is_named_with_the_setting_it_means():
+    unknown = settings.unknown_variables({"MPICOL_TIMEOUT": "10", "MPI_COLL_CHECK": "1",
+                                          "MPICOLLSTALL_REPORT": "5", "MPICH_PORT_RANGE": "1",
+                                          "MPIEXEC_PORT": "1", "OMPI_MCA_btl": "tcp",
+                                          "MPICOLL_TIMEOUT": "5"})
+    assert unknown == [("MPICOLLSTALL_REPORT", "MPICOLL_STALL_REPORT"),
+                       ("MPICOL_TIMEOUT", "MPICOLL_TIMEOUT"),
+                       ("MPI_COLL_CHECK", "MPICOLL_CHECK")], unknown
+
+
 def test_an_unknown_variable_is_named_with_the_closest_known_one():
     unknown = settings.unknown_variables({"MPICOLL_TIMOUT": "10", "MPICOLL_STALLREPORT": "5",
                                           "MPICOLL_CHEK": "1", "MPICOLL_ZEBRA": "1",
@@ -226,6 +236,10 @@ def test_a_bad_variable_stops_the_import():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be a size >= 0" in run.stderr
+    # In the user's terms: the import line and the sentence, no frames of mpicoll's.
+    assert run.stderr.count('File "') == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "ValueError: mpicoll: MPICOLL_SPLIT_ALLREDUCE_BYTES='lots' must be"), run.stderr
 
 
 def test_the_trace_directory_is_made_at_import_and_given_absolute(tmp_path, monkeypatch):
@@ -249,7 +263,7 @@ def test_an_unwritable_trace_directory_stops_the_import_on_every_rank():
                          env={"MPICOLL_TRACE": "/proc/mpicoll-trace"})
     assert result.returncode == 0, result.summary()
     assert "imported" not in result.output, result.summary()
-    assert result.output.count("refused: MPICOLL_TRACE='/proc/mpicoll-trace': mpicoll cannot "
+    assert result.output.count("refused: mpicoll: MPICOLL_TRACE='/proc/mpicoll-trace': mpicoll cannot "
                                "write there") == 2, result.summary()
 
 
@@ -317,7 +331,7 @@ def test_a_misread_setting_stops_the_import_on_every_rank_and_a_misspelt_one_war
                           env={"MPICOLL_CHECK": "none"})
     assert refused.returncode == 0, refused.summary()
     assert "imported" not in refused.output, refused.summary()
-    assert refused.output.count("refused: MPICOLL_CHECK='none' must be one of: off (0, false, "
+    assert refused.output.count("refused: mpicoll: MPICOLL_CHECK='none' must be one of: off (0, false, "
                                 "no), first-run (first), every-call (all, 1, true, yes, on)") \
         == 3, refused.summary()
     warned = run_mpiexec(2, [sys.executable, "-c", program], timeout=120,

@@ -3,9 +3,11 @@ them, every collective kind and leaf size in one program, each step checked
 against numpy (tests/programs/soak_devices.py), under shard_map over
 mpicoll.mesh("dev"), pmap with mpicoll's axis_name collectives (and XLA's own
 pmean over the devices beside them), and a global mesh after
-mpicoll.distributed.initialize(); also with a busy process on the cores.  And
-a device that arrives late at every meeting is waited for, not reported as a
-divergence (tests/programs/slow_device.py).  Before issue 43 the shard_map step at 2 x 2 hung in about half of its
+mpicoll.distributed.initialize(); a plain jit over a 2-D mesh, its collectives
+on the job's MPI (tests/programs/plain_jit_soak.py); also with a busy process on
+the cores.  And a device that arrives late at every meeting is waited for, not
+reported as a divergence (tests/programs/slow_device.py).  Before the progress
+threads of docs/design.md the shard_map step at 2 x 2 hung in about half of its
 runs.  `make soak-devices` runs the longer matrix (16 MiB leaves, 1,000 steps).
 Launched from the serial run only.
 """
@@ -45,12 +47,25 @@ def test_sharded_array_steps_never_hang(ranks, devices, steps):
         result.stdout, result.summary()
 
 
+@pytest.mark.parametrize("ranks,devices,steps", [(2, 2, 300), (3, 2, 100)])
+def test_plain_jit_steps_on_the_jobs_mpi_never_hang(ranks, devices, steps):
+    # A plain jit over a 2-D mesh: XLA's all-reduce, all-gather, collective-permute
+    # and all-to-all in groups of devices over processes (csrc/mpiabi/xla_groups.h).
+    result = run_mpiexec(ranks, [sys.executable, PROGRAM.parent / "plain_jit_soak.py", devices,
+                                 steps], timeout=240)
+    assert result.returncode == 0, result.summary()
+    assert f"PLAIN JIT SOAK OK ({ranks} ranks x {devices} devices, {steps} steps" in \
+        result.stdout, result.summary()
+
+
 def test_training_steps_under_load():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         result = run_mpiexec(2, [sys.executable, PROGRAM, 2, "shard_map", 200], timeout=240)
         sharded = run_mpiexec(2, [sys.executable, PROGRAM.parent / "soak_sharded.py", 2, 200],
                               timeout=240)
+        plain = run_mpiexec(2, [sys.executable, PROGRAM.parent / "plain_jit_soak.py", 2, 200],
+                            timeout=240)
     finally:
         hog.kill()
         hog.wait()
@@ -58,6 +73,8 @@ def test_training_steps_under_load():
     assert "SOAK OK (2 ranks x 2 devices, shard_map, 200 steps" in result.stdout, result.summary()
     assert sharded.returncode == 0, sharded.summary()
     assert "SOAK SHARDED OK (2 ranks x 2 devices, 200 steps" in sharded.stdout, sharded.summary()
+    assert plain.returncode == 0, plain.summary()
+    assert "PLAIN JIT SOAK OK (2 ranks x 2 devices, 200 steps" in plain.stdout, plain.summary()
 
 
 @pytest.mark.parametrize("devices", [2, 4])

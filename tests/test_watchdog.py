@@ -50,7 +50,7 @@ def test_a_rank_busy_in_python_is_named_and_the_job_goes_on():
                     r".*stall\.py:\d+ ", head), head
     assert lines[0] == "arrived (2 of 3 ranks): 0 1", lines
     assert re.match(r"rank 2 \(.*\): not in an mpicoll collective for [\d.]+ s; its last on "
-                    r"MPI_COMM_WORLD: sequence 1, allreduce\(float32\[4\], op=sum\)$", lines[1]), lines
+                    r"MPI_COMM_WORLD: sequence 1, allreduce\(float32\[4\], op=sum\), called at .*stall\.py:\d+", lines[1]), lines
     assert result.output.count("allreduce [3.0, 3.0, 3.0, 3.0]") == 3
 
 
@@ -232,6 +232,29 @@ def test_a_slow_compile_on_one_rank_is_warm_up_not_a_straggler(tmp_path):
     assert max(waits_ms(summary).values()) < 50, summary
     waits = waits_ms(_trace_summary(tmp_path, "--all"))
     assert waits[0] >= 350 and waits[1] < 100, waits
+
+
+def test_the_end_of_job_summary_says_who_waited_and_how_long(tmp_path):
+    """MPICOLL_SUMMARY=1: rank 0 prints once, at the end, each rank's time in
+    collectives with its waiting for peers (ranks 0 and 1 waited about 10 x 50 ms for
+    rank 2), and the kinds by time with their calls and bytes; without it, nothing."""
+    result = run_mpiexec(3, [sys.executable, TIMELINE, "summary", "0.05"], timeout=120,
+                         env={"MPICOLL_SUMMARY": "1"})
+    assert result.returncode == 0, result.summary()
+    assert result.output.count("mpicoll: communication summary (MPICOLL_SUMMARY=1), 3 ranks:") \
+        == 1, result.summary()
+    rows = {int(m[1]): m for m in re.finditer(
+        r"^\s+(\d)\s+\S+\s+([\d.]+) (s|ms)\s+([\d.]+) (s|ms|us) \(\d+%\)\s+([\d.]+) (s|ms|us)",
+        result.output, re.M)}
+    assert sorted(rows) == [0, 1, 2], result.summary()
+    waited = {rank: float(m[6]) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m[7]]
+              for rank, m in rows.items()}
+    assert waited[0] > 0.35 and waited[1] > 0.35 and waited[2] < 0.2, waited
+    kinds = dict(re.findall(r"^    (\w+)\s+(\d+) calls\s+16 B/call", result.output, re.M))
+    assert kinds == {"allreduce": "10", "allgather": "1"}, result.summary()
+    quiet = run_mpiexec(2, [sys.executable, TIMELINE, "summary", "0"], timeout=120)
+    assert quiet.returncode == 0 and "communication summary" not in quiet.output, \
+        quiet.summary()
 
 
 def test_a_trace_started_and_stopped_in_code_holds_its_calls_alone(tmp_path):

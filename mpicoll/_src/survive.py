@@ -21,14 +21,14 @@ size.  State keeps the last committed training state in memory to go back to.
 
 import atexit
 import copy
-import os
 import sys
 
 import jax
 from mpi4py import MPI
 
+from . import _compat
 from .primitive import dispatch
-from .runtime import comm as comm_layer, faults, settings
+from .runtime import comm as comm_layer, faults
 from .runtime.faults import RankLost, lost_ranks  # noqa: F401  (public here)
 from .runtime.native import extension
 
@@ -43,18 +43,11 @@ def can_survive():
     if not library.startswith("Open MPI"):
         return False, ("only Open MPI 5's ULFM is supported (MPICH's fault tolerance "
                        "asserts): make install MPI=openmpi")
-    if not _launched_fault_tolerant():
+    if not faults.launched_fault_tolerant():
         return False, ("the job was not launched fault-tolerant: MPICOLL_FT=1 "
                        "launch/mpirun.sh (mpiexec --with-ft ulfm --mca pml ob1 "
                        "--mca btl tcp,self)")
     return True, "Open MPI with ULFM, launched fault-tolerant"
-
-
-def _launched_fault_tolerant():
-    # launch/mpirun.sh sets MPICOLL_FT=1; Open MPI's mpiexec --with-ft ulfm, given
-    # by hand, sets the MCA variable in its ranks' environment.
-    return settings.current().ft or \
-        os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true")
 
 
 def shrink():
@@ -87,7 +80,12 @@ def shrink():
         old.Revoke()  # so that no survivor still waits on it
     except MPI.Exception:
         pass
+    # ULFM's shrink completes despite failures, on every survivor alike: a rank
+    # lost during it is left out (its agreement saw the rank fail) or is in the
+    # result, and then the next step raises RankLost and the survivors shrink again.
+    faults._test_kill_at("shrink")
     survivors = old.Shrink()
+    faults._test_kill_at("shrunk")
     survivors.Set_name("mpicoll survivors")
     extension.stop_watchdog()
     extension.fault_recovered()  # the next failure revokes every communicator again
@@ -95,7 +93,11 @@ def shrink():
     comm_layer.set_default(survivors)
     dispatch.forget_programs()
     jax.clear_caches()
+    # The last program's ordering token may be one that failed (or waits on the
+    # lost rank): the next step starts from a fresh one.
+    _compat.reset_effect_tokens()
     return survivors
+
 
 
 # Open MPI's MPI_Finalize can wait forever for a process that died (5 of 10 runs

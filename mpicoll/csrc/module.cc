@@ -44,6 +44,7 @@
 #include "engine/dtypes.h"
 #include "watch/guard.h"
 #include "engine/reduce_ops.h"
+#include "engine/test_kill.h"
 #include "meeting/kinds.def"
 #include "entries/entries.h"
 #include "module_watch.h"
@@ -117,13 +118,14 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
                  "(at most %d local devices)", key, device, kMaxLocalDevices);
     return nullptr;
   }
-  if (int rc = RegisterDeviceComm(key, device, HandleFromInteger<MPI_Comm>(handle));
-      rc != MPI_SUCCESS) {
-    char text[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-    text[len] = '\0';
-    PyErr_Format(PyExc_ValueError, "mpicoll: cannot register communicator %lld: %s", key, text);
+  const MPI_Comm comm = HandleFromInteger<MPI_Comm>(handle);
+  if (int rc = RegisterDeviceComm(key, device, comm); rc != MPI_SUCCESS) {
+    // Registering makes the internal duplicate, collectively: a rank lost then is
+    // a failed collective (RuntimeError with the marker: Python raises RankLost).
+    const std::string text = MpiFailureText(
+        "mpicoll: cannot register communicator " + std::to_string(key), comm, rc);
+    const bool lost = text.find(kRankLostMarker) != std::string::npos;
+    PyErr_SetString(lost ? PyExc_RuntimeError : PyExc_ValueError, text.c_str());
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -187,10 +189,11 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
   PyObject* platforms = Py_BuildValue("(s)", "cpu");
 #endif
   if (!platforms) return nullptr;
-  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i,s:N}", "mpi_vendor", vendor, "mpi_version",
-                       version, "mpi_standard_version", MPI_VERSION, "mpi_standard_subversion",
-                       MPI_SUBVERSION, "max_comms", kMaxComms, "max_local_devices",
-                       kMaxLocalDevices, "platforms", platforms);
+  return Py_BuildValue("{s:s,s:N,s:i,s:i,s:i,s:i,s:i,s:N}", "mpi_vendor", vendor,
+                       "mpi_version", version, "mpi_standard_version", MPI_VERSION,
+                       "mpi_standard_subversion", MPI_SUBVERSION, "max_comms", kMaxComms,
+                       "max_local_devices", kMaxLocalDevices, "xla_slot", kXlaSlot,
+                       "platforms", platforms);
 }
 
 // Whether this MPI takes CUDA device pointers in its calls: True or False where
@@ -219,14 +222,43 @@ PyObject* FaultTolerance(PyObject*, PyObject*) {
 #else
   const bool built = false;
 #endif
-  return Py_BuildValue("{s:O,s:O}", "built", built ? Py_True : Py_False, "rank_lost",
-                       rank_lost.load() ? Py_True : Py_False);
+  return Py_BuildValue("{s:O,s:O,s:i}", "built", built ? Py_True : Py_False, "rank_lost",
+                       rank_lost.load() ? Py_True : Py_False, "recoveries", recoveries.load());
+}
+
+// rank_lost_failure(error_code, handles): whether an MPI error code Python met
+// (mpi4py's MPI.Exception, from a communicator's set-up) says a process failed
+// or a communicator was revoked.  If so, the communicators in `handles` are
+// revoked as well as every one mpicoll talks on (RankLostFailure), so that
+// every survivor, wherever it waits, wakes to the same RankLost.
+PyObject* RankLostFailurePy(PyObject*, PyObject* args) {
+  int code = 0;
+  PyObject* handles = nullptr;
+  if (!PyArg_ParseTuple(args, "iO", &code, &handles)) return nullptr;
+  PyObject* seq = PySequence_Fast(handles, "mpicoll: handles must be a sequence of integers");
+  if (!seq) return nullptr;
+  std::vector<MPI_Comm> comms;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const unsigned long long handle =
+        PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (PyErr_Occurred()) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    comms.push_back(HandleFromInteger<MPI_Comm>(handle));
+  }
+  Py_DECREF(seq);
+  bool lost = false;
+  for (MPI_Comm comm : comms) lost = RankLostFailure(comm, code) || lost;
+  if (comms.empty()) lost = RankLostFailure(MPI_COMM_NULL, code);
+  return PyBool_FromLong(lost);
 }
 
 // mpicoll.shrink() has gone on with the survivors: the next failure revokes
 // every communicator again (call.h, RankLostFailure).
 PyObject* FaultRecovered(PyObject*, PyObject*) {
   rank_lost.store(false);
+  recoveries.fetch_add(1);
   Py_RETURN_NONE;
 }
 
@@ -457,10 +489,7 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
 
 // True: mpicoll's MPI calls take serialized_mpi.mutex (MPI_THREAD_SERIALIZED mode).
 PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
-  const int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  serialized_mpi.on.store(on != 0);
-  Py_RETURN_NONE;
+  return StoreFlag(serialized_mpi.on, arg);
 }
 
 // Python: meeting_kinds() -> {name: (code, rows_in)}, meeting/kinds.def's rows.
@@ -552,7 +581,11 @@ PyMethodDef methods[] = {
     {"fault_recovered", FaultRecovered, METH_NOARGS,
      "After mpicoll.shrink(): the next failure revokes every communicator again."},
     {"fault_tolerance", FaultTolerance, METH_NOARGS,
-     "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die}."},
+     "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die, "
+     "'recoveries': shrinks so far}."},
+    {"rank_lost_failure", RankLostFailurePy, METH_VARARGS,
+     "rank_lost_failure(error_code, comm_handles): whether the code says a process failed "
+     "(then every communicator, these too, is revoked)."},
     {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
      "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
     {"set_serialized_mpi", SetSerializedMpi, METH_O,

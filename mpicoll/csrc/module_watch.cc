@@ -67,10 +67,17 @@ PyObject* OpenSideChannel(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// The side channel's handle once it is open, else None.
+// The side channel's handle once it is open, else None; RuntimeError saying why
+// where its opening failed (a rank lost first: Python raises RankLost).
 PyObject* SideChannelHandle(PyObject*, PyObject*) {
   const MPI_Comm comm = side_channel.load();
-  if (comm == MPI_COMM_NULL) Py_RETURN_NONE;
+  if (comm == MPI_COMM_NULL) {
+    if (const std::string failure = side_channel_opening.Failure(); !failure.empty()) {
+      PyErr_SetString(PyExc_RuntimeError, failure.c_str());
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  }
   return PyLong_FromUnsignedLongLong(IntegerFromHandle(comm));
 }
 
@@ -87,16 +94,20 @@ PyObject* PyAnnounceEnd(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// describe_site(site, "file:line (function)", compared): compared=False for an
-// eager call's site (JAX caches its program by signature, so the line is its
-// first caller's): every-call checks then leave the site out.
+// describe_site(site, "file:line (function)", compared, written_as): compared=False
+// for an eager call's site (JAX caches its program by signature, so the line is
+// its first caller's): every-call checks then leave the site out.  written_as:
+// the collective as the user wrote it where that was not mpicoll's own name
+// ("jax.lax.psum over ('mpicoll.RANKS', 'dev')"), "" otherwise.
 PyObject* DescribeSite(PyObject*, PyObject* args) {
   long long site;
   const char* text;
   int compared = 1;
-  if (!PyArg_ParseTuple(args, "Ls|p", &site, &text, &compared)) return nullptr;
+  const char* written_as = "";
+  if (!PyArg_ParseTuple(args, "Ls|ps", &site, &text, &compared, &written_as)) return nullptr;
   std::lock_guard<std::mutex> lock(call_sites.mutex);
-  call_sites.descriptions[site] = text;
+  if (*text) call_sites.descriptions[site] = text;
+  if (*written_as) call_sites.written_as[site] = written_as;
   if (!compared) call_sites.uncompared.insert(site);
   Py_RETURN_NONE;
 }
@@ -319,6 +330,38 @@ PyObject* EndSetup(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// set_communication_totals(on): count every call's time for the end-of-job
+// summary (watch/totals.h), from now on.
+PyObject* SetCommunicationTotals(PyObject*, PyObject* arg) {
+  return StoreFlag(communication_totals.on, arg);
+}
+
+// communication_totals() -> [(slot, kind, calls, ns, bytes, max_ns)], the slots
+// that made calls.
+PyObject* CommunicationTotalsPy(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  if (!out) return nullptr;
+  for (int slot = 0; slot < kCallSlots; ++slot) {
+    std::vector<KindTotals> kinds;
+    {
+      std::lock_guard<std::mutex> lock(communication_totals.slots[slot].mutex);
+      kinds = communication_totals.slots[slot].kinds;
+    }
+    for (const KindTotals& k : kinds) {
+      PyObject* row = Py_BuildValue("(isLLLL)", slot, k.kind, static_cast<long long>(k.calls),
+                                    static_cast<long long>(k.ns), static_cast<long long>(k.bytes),
+                                    static_cast<long long>(k.max_ns));
+      if (!row || PyList_Append(out, row) < 0) {
+        Py_XDECREF(row);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(row);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PyMethodDef watch_methods[] = {
@@ -329,6 +372,10 @@ PyMethodDef watch_methods[] = {
      "The communicator (handle) the watchdogs ask each other's state on."},
     {"describe_site", DescribeSite, METH_VARARGS,
      "(site, where it was traced, whether every-call checks compare it) for reports."},
+    {"set_communication_totals", SetCommunicationTotals, METH_O,
+     "Count each call's kind, time and bytes for the end-of-job summary (on/off)."},
+    {"communication_totals", CommunicationTotalsPy, METH_NOARGS,
+     "[(slot, kind, calls, ns, bytes, max ns)] counted so far."},
     {"set_flight", SetFlight, METH_VARARGS,
      "(records kept per device, 0 = off; directory the dumps go to, '' = a folder for the "
      "job under the third argument)."},

@@ -6,7 +6,8 @@ from MPI, JAX's multi-process API and mpicoll's collectives beside it.
 Checked against numpy: the process ids and device counts, process_allgather,
 mpicoll's allreduce eagerly, under jit and over ranks x local devices (pmap),
 psum on a global mesh over each process's devices and over all (100 calls in
-flight), a second initialize() refused.  And what the job listens on: every TCP
+flight), a global array refused by mpicoll's collectives eagerly and under jit, a second
+initialize() refused.  And what the job listens on: every TCP
 listener opened after MPI's own (those of MPI_Init, and the launcher's) is on
 loopback where every rank is on one node (JAX's coordination service, gloo's),
 and none on every interface otherwise.  Prints "ALL OK (R ranks x L devices)".
@@ -94,6 +95,23 @@ for axes, program in loops.items():
         if not np.array_equal(mine_out, expected[axes]):
             expect(f"global mesh psum over {axes}, call {i}", False, mine_out)
             break
+
+# A global array is refused by mpicoll's own collectives, eagerly and under jit alike,
+# on every rank before any MPI call (under jit its mesh is abstract: a silent
+# per-process result before), replicated or sharded over the processes.
+# (At one rank every device is the process's own: that array is a local one.)
+for spec_name, global_spec in (("replicated", P()), ("sharded", spec)) if SIZE > 1 else ():
+    layout = NamedSharding(mesh, global_spec)
+    local = rows if global_spec == spec else np.zeros((SIZE * LOCAL, 2), np.float32)
+    global_array = jax.make_array_from_process_local_data(layout, local)
+    for how, collective in (("eager", mpicoll.allreduce), ("jit", jax.jit(mpicoll.allreduce)),
+                            ("jit allgather", jax.jit(mpicoll.allgather))):
+        try:
+            collective(global_array)
+            expect(f"{spec_name} global array, {how}", False, "no error")
+        except NotImplementedError as error:
+            expect(f"{spec_name} global array, {how}",
+                   "spans devices of other processes" in str(error), error)
 
 # Every listener since MPI's own: JAX's coordination service (rank 0) and gloo's.
 expect("a listener opened", RANK != 0 or set(listeners()) - MPIS_OWN, "rank 0 listens nowhere new")

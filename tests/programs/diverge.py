@@ -10,6 +10,9 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
                 call the step
   other-root    every rank calls a new broadcast, the odd rank from another root
   skip-finish   the odd rank skips the next collective and finishes its script
+  skip-eager    an eager allreduce on every rank, then the others call it again from
+                another line (the wait: a report names that line) and the odd rank
+                finishes its script
   extra         the odd rank calls one collective more than the others, then finishes
   swapped       `first` and `second` called in swapped order on the odd rank
   swapped-alike (with MPICOLL_CHECK=1) two programs with the same allreduce, from
@@ -18,6 +21,8 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
   mesh-finish   after mpicoll.distributed.initialize(), a global mesh of 2 CPU devices
                 per process: the odd rank finishes its script after 2 of 3 psums over
                 the whole mesh (its exit handlers then wait in JAX's shutdown barrier)
+  lax-devices   2 CPU devices per rank: a jax.lax.psum over (RANKS, "dev") of f32[4] on
+                every rank, f32[6] on the odd one (each rank prints what it raised)
   never-first   the odd rank finishes its script before the job's first collective
   raise-traced  every rank raises the same error while tracing
   baseline      no divergence (what the others' times to end are measured against)
@@ -41,7 +46,7 @@ import time
 
 from _common import fake_cpu_devices
 
-if sys.argv[1] == "mesh-finish":  # before JAX starts its CPU backend
+if sys.argv[1] in ("mesh-finish", "lax-devices"):  # before JAX starts its CPU backend
     fake_cpu_devices(2)
 import jax
 import jax.numpy as jnp
@@ -89,6 +94,20 @@ if CASE == "mesh-finish":
     say("finished")
     sys.exit(0)
 
+if CASE == "lax-devices":
+    from jax.sharding import PartitionSpec as P
+
+    ranks_devices = P((mpicoll.RANKS, "dev"))
+    total = jax.jit(jax.shard_map(
+        lambda v: jax.lax.psum(v, (mpicoll.RANKS, "dev")),  # the line the mismatch names
+        mesh=mpicoll.mesh("dev"), in_specs=ranks_devices, out_specs=ranks_devices))
+    n = 6 if ODD else 4
+    try:
+        returned(total(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
+    except Exception as error:
+        say(f"raised {type(error).__name__}: " + " | ".join(str(error).splitlines()))
+    sys.exit(0)
+
 if CASE == "never-first":
     if ODD:
         sys.exit(0)  # before the job's first collective
@@ -119,6 +138,10 @@ elif CASE == "other-root":
 elif CASE == "skip-finish":
     if not ODD:
         returned(step(warm), 2.0 * SIZE * np.ones(4))
+elif CASE == "skip-eager":
+    returned(mpicoll.allreduce(warm), SIZE * np.ones(4))  # its program's first caller
+    if not ODD:
+        returned(mpicoll.allreduce(warm), SIZE * np.ones(4))  # the wait
 elif CASE == "extra":
     returned(step(warm), 2.0 * SIZE * np.ones(4))
     if ODD:

@@ -117,6 +117,26 @@ with jax.set_mesh(explicit):
     case("explicit sharding: a column sum", lambda a: a.sum(0),
          [global_array(X, NamedSharding(explicit, P("x")))], X.sum(0), "all-reduce")
 
+# Groups of devices that are not the whole mesh: a 2-D mesh over the devices in
+# order, so one axis's groups span processes and the other's (with several
+# devices per process) mix a process's own devices with another's.
+if N % 2 == 0 and N >= 4:
+    grid_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, N // 2), ("a", "b"),
+                                  axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    grid = NamedSharding(grid_mesh, P("a", "b"))
+    GRID = rng.standard_normal((4, 2 * N)).astype(np.float32)
+    g = global_array(GRID, grid)
+    case("sum over the first mesh axis", lambda a: a.sum(0), [g], GRID.sum(0), "all-reduce")
+    case("sum over the second mesh axis", lambda a: a.sum(1), [g], GRID.sum(1), "all-reduce")
+    case("gathered along the second axis", lambda a: a, [g], GRID, "all-gather",
+         out_shardings=NamedSharding(grid_mesh, P("a", None)))
+    case("jnp.roll along the second axis", lambda a: jnp.roll(a, 1, axis=1), [g],
+         np.roll(GRID, 1, axis=1), "collective-permute")
+    SQUARE2 = rng.standard_normal((N, N)).astype(np.float32)
+    case("all-to-all within the second axis", lambda a: a,
+         [global_array(SQUARE2, NamedSharding(grid_mesh, P("b", None)))], SQUARE2,
+         "all-to-all", out_shardings=NamedSharding(grid_mesh, P(None, "b")))
+
 
 # A data-parallel step as users write it: the batch sharded, the parameters
 # replicated, jit's shardings; its gradient against numpy's.

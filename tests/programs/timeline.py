@@ -7,6 +7,8 @@
   in-code DIR   3 calls of `step` (not traced), then `with mpicoll.trace(DIR/block)`:
                 5 of `step` and 5 of `gathered`; 3 more not traced; then
                 start_trace(DIR/skipped, skip=2), 4 of `step` and stop_trace()
+  summary SECONDS  (with MPICOLL_SUMMARY=1) an allgather, then 10 calls of `step`, the
+                last rank sleeping SECONDS before each: the others wait for it
 
 Each rank prints `rank R: traced to PATH` for each trace it wrote, then `rank R: done`.
 """
@@ -41,11 +43,17 @@ elif CASE == "in-code":
         for _ in range(5):
             step(x)
             gathered(x)
-    print(f"rank {RANK}: traced to {directory}", flush=True)
+    os.write(1, f"rank {RANK}: traced to {directory}\n".encode())  # one write: whole lines
     for _ in range(3):
         step(x).block_until_ready()
     mpicoll.start_trace(os.path.join(ARG, "skipped"), skip=2)
     for _ in range(4):
         step(x)
-    print(f"rank {RANK}: traced to {mpicoll.stop_trace()}", flush=True)
-print(f"rank {RANK}: done", flush=True)
+    os.write(1, f"rank {RANK}: traced to {mpicoll.stop_trace()}\n".encode())
+elif CASE == "summary":
+    gathered(x).block_until_ready()
+    for _ in range(10):
+        if RANK == SIZE - 1:
+            time.sleep(float(ARG))
+        step(x).block_until_ready()
+os.write(1, f"rank {RANK}: done\n".encode())  # one write: whole lines

@@ -16,6 +16,7 @@ from .core import (  # noqa: F401
     backends_initialized,
     at_top_level, create_token, register_call_site_lowering, register_lowering,
     register_ordered_effect, reset_effect_tokens, set_token_out, token_in, user_source_line,
+    lowering_scope,
     current_user_source_line,
     with_token_avals)
 from .transforms import (  # noqa: F401

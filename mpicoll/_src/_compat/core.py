@@ -110,6 +110,17 @@ def user_source_line(ctx, skip_prefix):
     return _user_line(getattr(ctx, "traceback", None), skip_prefix)
 
 
+def lowering_scope(ctx, prefix):
+    """The innermost jax.named_scope whose name starts with `prefix` that a lowering
+    rule's equation was traced in (its name stack), or None."""
+    stack = getattr(getattr(ctx, "name_stack", None), "stack", ())
+    for entry in reversed(stack):
+        name = getattr(entry, "name", "")
+        if type(entry).__name__ == "Scope" and name.startswith(prefix):
+            return name
+    return None
+
+
 def current_user_source_line(skip_prefix):
     """user_source_line of the code running now (outside a lowering rule)."""
     from jax._src import source_info_util

@@ -23,6 +23,21 @@ from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 
 
+# JAX's own functions that mpicoll replaced, by (owner, name), recorded by the first
+# replacement: later ones wrap whatever is there (mpicoll's own), so this is the one
+# place that still knows JAX's (benchmarks compare against it).
+_jax_originals = {}
+
+
+_fast_path_installed = False
+
+
+def _replace(owner, name, replacement):
+    """owner.name = replacement, JAX's function kept in _jax_originals."""
+    _jax_originals.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, replacement)
+
+
 def install_runtime_token_fast_path(max_ahead):
     """Hand a program the last program's runtime token as it is, instead of JAX's copy
     of it, when the token already lives on the program's devices.
@@ -50,9 +65,10 @@ def install_runtime_token_fast_path(max_ahead):
     goes to JAX's own method.  Returns False (and changes nothing) where JAX's
     token set does not look as expected.
     """
+    global _fast_path_installed
     token_set = getattr(_dispatch, "RuntimeTokenSet", None)
     original = getattr(token_set, "get_token_input", None)
-    if original is None or getattr(original, "_mpicoll_fast_path", False):
+    if original is None or _fast_path_installed:
         return original is not None
     if list(inspect.signature(original).parameters) != ["self", "eff", "devices"]:
         return False
@@ -92,17 +108,18 @@ def install_runtime_token_fast_path(max_ahead):
         self.current_tokens[eff] = token
         return token
 
-    get_token_input._mpicoll_fast_path = True
-    get_token_input.jax_original = original  # for benchmarks/dispatch.py's comparison
-    token_set.get_token_input = get_token_input
+    _replace(token_set, "get_token_input", get_token_input)
+    _fast_path_installed = True
     return True
 
 
 def runtime_token_methods():
-    """(JAX's get_token_input, mpicoll's fast one or None): for benchmarks."""
-    current = _dispatch.RuntimeTokenSet.get_token_input
-    return getattr(current, "jax_original", current), (
-        current if getattr(current, "_mpicoll_fast_path", False) else None)
+    """(JAX's own get_token_input, the one in place now: mpicoll's hooks around its
+    fast path, or JAX's where mpicoll changed nothing): for benchmarks/dispatch.py,
+    which swaps JAX's in for its comparison and puts the current one back."""
+    token_set = _dispatch.RuntimeTokenSet
+    current = token_set.get_token_input
+    return _jax_originals.get((token_set, "get_token_input"), current), current
 
 
 def complete_dispatches_with(effect_type):
@@ -270,6 +287,30 @@ def hook_program_lowering(rewrite):
     return True
 
 
+def missing_hooks():
+    """What of JAX's internals the device-order dispatch hooks into is not as this
+    module expects, named ([] where everything is): checked at install, so a JAX
+    that changed them is said at import (primitive/device_order.py), and
+    tests/test_install.py fails on it."""
+    missing = []
+    if getattr(_pxla, "_cached_lowering_to_hlo", None) is None \
+            or _lowering_argument_positions() is None:
+        missing.append("pxla._cached_lowering_to_hlo(closed_jaxpr, ..., num_devices, ..., "
+                       "platforms, ...) called with them by position")
+    if not (hasattr(_mlir, "jaxpr_subcomp") and hasattr(_mlir, "TokenSet")
+            and "outer_traceback" in inspect.signature(_mlir.jaxpr_subcomp).parameters):
+        missing.append("mlir.jaxpr_subcomp(..., outer_traceback=) and mlir.TokenSet")
+    if not hasattr(_pe, "convert_constvars_jaxpr"):
+        missing.append("partial_eval.convert_constvars_jaxpr")
+    if not runtime_token_hooks_available():
+        missing.append("dispatch.RuntimeTokenSet.get_token_input(eff, devices), "
+                       "set_token_result(eff, token), block_until_ready()")
+    if not outside_meshes_available():
+        missing.append("mesh.empty_concrete_mesh, empty_abstract_mesh, use_abstract_mesh, "
+                       "sharding_impls._internal_use_concrete_mesh")
+    return missing
+
+
 def runtime_token_hooks_available():
     """Whether JAX's RuntimeTokenSet has the three methods hook_runtime_tokens wraps."""
     token_set = getattr(_dispatch, "RuntimeTokenSet", None)
@@ -303,11 +344,12 @@ def hook_runtime_tokens(token_input, after_token_result, before_barrier):
         before_barrier()
         block_until_ready(self)
 
-    # get_token_input is looked up on the class at each call: later patches
-    # (install_runtime_token_fast_path) wrap this one and keep it.
-    token_set.get_token_input = hooked_get_token_input
-    token_set.set_token_result = hooked_set_token_result
-    token_set.block_until_ready = hooked_block_until_ready
+    # These wrap what is there now: for get_token_input, mpicoll's fast path
+    # (install_runtime_token_fast_path, an earlier install step), which wraps JAX's
+    # own; the methods are looked up on the class at each call.
+    _replace(token_set, "get_token_input", hooked_get_token_input)
+    _replace(token_set, "set_token_result", hooked_set_token_result)
+    _replace(token_set, "block_until_ready", hooked_block_until_ready)
     return True
 
 

@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from .. import PACKAGE_DIR
 from .. import _compat
-from . import tracing
+from . import summary, tracing
 from ..runtime import native, own_files, settings
 from ..runtime.native import extension
 
@@ -351,6 +351,10 @@ def configure(current):
     # then the watchdog's stop).
     atexit.register(extension.stop_watchdog)
     atexit.register(tracing.stop_at_exit)
+    summarizing = ""
+    if current.summary:  # after the end notice: a rank another waits for is still named
+        summarizing = "; " + summary.install()
+        atexit.register(summary.summarize_at_exit)
     if world_size > 1 and not native.SERIALIZED:
         global _announcing
         extension.open_side_channel()
@@ -359,7 +363,7 @@ def configure(current):
         _watch_process_exit()
     return (f"abort on error {'on' if abort else 'off'}; "
             + ("end notices to the other ranks (atexit, os._exit)" if _announcing
-               else "no end notices (one rank, or serialized)"))
+               else "no end notices (one rank, or serialized)") + summarizing)
 
 
 # --- Ranks that end: the others' watchdogs hold their waits against it --------------------

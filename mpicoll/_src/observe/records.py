@@ -77,6 +77,9 @@ class RankFile:
 MAX_FILE_BYTES = 1 << 30
 MAX_RANKS = 1 << 24
 MAX_LOCAL_DEVICES = 1 << 12
+# The records' first thread of XLA's own collectives on mpicoll's MPI (csrc/engine/
+# comm_table.h, kXlaSlot: one past the last local device; one per XLA communicator).
+XLA_SLOT = 256
 _MEMBERS = re.compile(r"(\d+(,\d+)*)?$")
 # Characters a terminal would act on (escape sequences, bells, carriage returns):
 # shown as \xNN, so a planted file cannot rewrite the reader's screen.
@@ -210,6 +213,11 @@ def _meeting_devices(comm):
     """'mpicoll:MPI_COMM_WORLD:meeting of devices 0,1' -> [0, 1]; None for a communicator."""
     match = _MEETING.match(comm)
     return [int(d) for d in match.group(2).split(",")] if match else None
+
+
+def slot_name(device):
+    """What a records file's thread is: "local device 1", or XLA's own collectives."""
+    return "XLA's own collectives" if device >= XLA_SLOT else f"local device {device}"
 
 
 def _comm_title(comm, members):

@@ -16,7 +16,7 @@ import html
 import json
 import os
 
-from .records import _meeting_devices, load
+from .records import _meeting_devices, load, slot_name
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ def merged_trace(files, all_spans):
                        "args": {"sort_index": f.rank}})
         for device in sorted({r.device for r in f.records}):
             events.append({"ph": "M", "name": "thread_name", "pid": f.rank, "tid": device,
-                           "args": {"name": f"local device {device}"}})
+                           "args": {"name": slot_name(device)}})
     for s in all_spans:
         common = {"pid": s.rank, "tid": s.device,
                   "args": {"sequence": s.sequence, "comm": s.comm, "warm_up": s.warm_up}}

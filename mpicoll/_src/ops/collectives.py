@@ -341,8 +341,8 @@ def allreduce(x, op="sum", *, comm=None, axis_name=None):
 
     Example (2 ranks)::
 
-        mpicoll.allreduce(jnp.array([rank + 1.0, 2.0]))        # [3., 4.] on both
-        mpicoll.allreduce({{"w": w, "b": b}}, "max")              # a pytree, one message per dtype
+        mpicoll.allreduce(jnp.array([rank + 1.0, 2.0]))     # [3., 4.] on both
+        mpicoll.allreduce({{"w": w, "b": b}}, "max")  # a pytree, one message per dtype
         jax.tree.map(lambda g: g / size, mpicoll.allreduce(grads))  # averaged gradients
     """
     if axis_name is not None:
@@ -423,7 +423,8 @@ def alltoall(x, *, comm=None, axis_name=None):
 
     Example (2 ranks)::
 
-        mpicoll.alltoall(jnp.array([10 * rank, 10 * rank + 1]))  # rank 0: [0, 10]; rank 1: [1, 11]
+        mpicoll.alltoall(jnp.array([10 * rank, 10 * rank + 1]))
+        # rank 0: [0, 10]; rank 1: [1, 11]
     """
     if axis_name is not None:
         return ranks_devices.alltoall(x, comm, axis_name)

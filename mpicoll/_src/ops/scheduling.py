@@ -110,6 +110,6 @@ def dispatch_mode():
 
     Example::
 
-        print(mpicoll.dispatch_mode())       # "device-order"; python -m mpicoll info says it too
+        print(mpicoll.dispatch_mode())   # "device-order"; python -m mpicoll info says it too
     """
     return device_order.current_mode()

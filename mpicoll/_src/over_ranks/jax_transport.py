@@ -10,9 +10,10 @@ sets jax_cpu_collectives_implementation to "mpi".  Else JAX's gloo carries them,
 and choose() says why (`python -m mpicoll info` shows it):
 
 * MPICOLL_JAX_COLLECTIVES=gloo (the opt-out);
-* more than one CPU device per process: XLA's MPI collectives refuse to make a
-  communicator from a device's own thread (xla#16430), and splitting COMM_WORLD
-  from several threads of a process would give wrong groups;
+* MPI at MPI_THREAD_SERIALIZED (an MPI built without MPI_THREAD_MULTIPLE): XLA
+  calls it from its own threads, where the program's mpi4py calls may overlap;
+* processes with different CPU device counts (XLA's groups of devices over the
+  processes, mpiabi/xla_groups.h, are made for one count L);
 * the trampoline did not load mpicoll's library (no MPI launcher's variables at
   start-up, a MPITRAMPOLINE_LIB of the user's, `python -S`, or an install without
   the .pth file), or the installed jaxlib is not one the library's names were
@@ -32,14 +33,11 @@ _chosen = None  # ("mpi" or "gloo", why), once choose() has run
 
 def _problem_here():
     """Why this rank cannot run JAX's collectives on mpicoll's MPI, or None."""
-    from ..primitive import device_order
-
     if settings.current().jax_collectives == "gloo":
         return "MPICOLL_JAX_COLLECTIVES=gloo"
-    devices = device_order.cpu_devices_asked()
-    if devices > 1:
-        return (f"{devices} CPU devices per process: XLA's MPI collectives take one device "
-                "per process (xla#16430)")
+    if native.SERIALIZED:
+        return ("MPI runs at MPI_THREAD_SERIALIZED: XLA's collectives would call it from "
+                "XLA's threads while the program's own Python may call it too")
     try:
         import _mpicoll_jax_mpi
     except ImportError:
@@ -65,13 +63,19 @@ def choose():
     global _chosen
     import jax
 
-    problem = _problem_here()
-    problems = MPI.COMM_WORLD.allgather(problem)
+    from ..primitive import device_order
+
+    local = device_order.cpu_devices_asked()
+    problems, counts = zip(*MPI.COMM_WORLD.allgather((_problem_here(), local)))
+    if len(set(counts)) > 1 and not any(problems):
+        listed = ", ".join(map(str, counts))
+        problems = [f"the processes have different CPU device counts ({listed}): XLA's "
+                    "groups of devices are made for one count"] * len(counts)
     first = next(((rank, p) for rank, p in enumerate(problems) if p), None)
     if first is None:
         import _mpicoll_jax_mpi  # (importable: _problem_here said so on every rank)
 
-        connected = native.extension.connect_jax_mpi(_mpicoll_jax_mpi.library_path())
+        connected = native.extension.connect_jax_mpi(_mpicoll_jax_mpi.library_path(), local)
         if connected:  # the same on every rank (one build): no rank has connected
             raise RuntimeError(f"mpicoll.distributed.initialize: {connected}")
         jax.config.update("jax_cpu_collectives_implementation", "mpi")

@@ -54,6 +54,7 @@ from . import mesh_groups
 from ..primitive import varying
 from ..runtime import comm as comm_layer
 from ..primitive.dispatch import bind
+from ..primitive.define import WRITTEN_AS_PREFIX
 from ..ops.p2p import PROC_NULL, SENDRECV
 
 RANKS = varying.RANKS
@@ -504,7 +505,24 @@ def _route(name, args, params):
     if params.get("axis_index_groups") is not None:
         who = _in_groups(name, who, params["axis_index_groups"])
     x, = args
-    return route(x, who, params)
+    # Reports and mismatch messages name the collective as written (the scope
+    # reaches the lowering of every mpicoll call it becomes, primitive/define.py).
+    with jax.named_scope(_written_as(name, axes, x)):
+        return route(x, who, params)
+
+
+def _written_as(name, axes, x):
+    """'jax.lax.psum over (mpicoll.RANKS, 'dev') of float32[2] per device': what the
+    user's shard_map body called, with the shape each device gives it."""
+    shape = ",".join(str(length) for length in getattr(x, "shape", ()))
+    dtype = getattr(getattr(x, "dtype", None), "name", "?")
+    named = ", ".join(str(axis) if axis == RANKS else repr(axis) for axis in axes)
+    return (f"{WRITTEN_AS_PREFIX}{_USER_NAMES.get(name, name)} over ({named}) of "
+            f"{dtype}[{shape}] per device")
+
+
+# The jax.lax function each routed primitive is bound by, where the names differ.
+_USER_NAMES = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}
 
 
 def size_ranks_axis():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import PACKAGE_DIR
+from .. import PACKAGE_DIR, users_line_now
 from .. import _compat
 from ..runtime import native, dtypes
 from . import sharded, varying
@@ -38,6 +38,11 @@ mpi_effect = MPIEffect()  # registered as an ordered effect by install.py
 # by default the handler compares a site's call across ranks the first time it
 # runs (failures.py), which is how it knows a program is new.
 _call_sites = itertools.count(1)
+
+# A jax.named_scope whose name starts with this names the collective as the user
+# wrote it, where mpicoll runs it in its own calls (over_ranks/lax.py): reports
+# and mismatch messages say both.
+WRITTEN_AS_PREFIX = "jax.lax."
 
 # Set while an eager call compiles its program (dispatch.run_eagerly): JAX caches
 # that program by signature, so its site's source line is the first caller's, and
@@ -74,10 +79,17 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
                                 operand_output_aliases=aliases)
     if numbered:
         attributes["site"] = next(_call_sites)
-        where = _compat.user_source_line(ctx, PACKAGE_DIR)  # mpicoll's own frames are skipped
-        if where:
-            native.extension.describe_site(attributes["site"], where,
-                                           not lowering_eagerly[0])
+        # mpicoll's own frames are skipped.  JAX's traceback of a jitted mpicoll
+        # function (jax.jit(mpicoll.allreduce)) ends in mpicoll's frames: then the
+        # line compiling the program (its first call) is the user's, not compared in
+        # every-call mode (another rank may first call it from another line).
+        where = _compat.user_source_line(ctx, PACKAGE_DIR)
+        compared = where is not None and not lowering_eagerly[0]
+        where = where or users_line_now()
+        written_as = _compat.lowering_scope(ctx, WRITTEN_AS_PREFIX)
+        if where or written_as:
+            native.extension.describe_site(attributes["site"], where or "", compared,
+                                           written_as or "")
     attributes = {name: np.int64(value) if isinstance(value, (int, np.integer)) else value
                   for name, value in attributes.items()}
     token, *outs = call(_compat.with_token_avals(ctx), token, *operands, **attributes)

@@ -350,12 +350,29 @@ _policy = DeviceOrderDispatch(MPIEffect)
 DEVICE_ORDER_AVAILABLE = False  # whether install_device_order could install its hooks
 
 
+def warn_hooks_missing(missing):
+    """Say, once at import, what a JAX that changed its internals costs: the
+    device-order dispatch is off, and every program with a collective pays JAX's
+    runtime tokens (benchmarks/dispatch.py: ~100 us against ~10 us per jitted step
+    with one 4 B allreduce, 2 ranks on 2 cores)."""
+    import warnings
+    warnings.warn(
+        f"mpicoll: this jax ({jax.__version__}) changed what mpicoll's device-order "
+        f"dispatch hooks into ({'; '.join(missing) or 'its lowering hook'}): programs "
+        "with collectives dispatch with JAX's runtime tokens instead (correct, but about "
+        "10x slower per jitted step); python -m mpicoll info says the dispatch mode. "
+        "docs/versions.md lists the jax releases mpicoll is tested with",
+        RuntimeWarning, stacklevel=2)
+
+
 def install_device_order():
     """An install step (install.py): the device-order hooks where JAX allows them,
     then the dispatch mode of the settings: MPICOLL_DISPATCH, or (default)
     device-order where it is available, else tokens."""
     global DEVICE_ORDER_AVAILABLE
     DEVICE_ORDER_AVAILABLE = not native.SERIALIZED and _policy.install()
+    if not native.SERIALIZED and not DEVICE_ORDER_AVAILABLE:
+        warn_hooks_missing(dispatch_hooks.missing_hooks())
     wanted = settings.current().dispatch
     if wanted == "default":
         wanted = "device-order" if DEVICE_ORDER_AVAILABLE else "tokens"

@@ -101,17 +101,25 @@ def layout_of(x, caller):
     if sharding is None or len(sharding.device_set) <= 1:
         return None if _compat.at_top_level() else _context_layout(x, caller)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        raise NotImplementedError(
-            f"mpicoll.{caller}: x spans devices of other processes (a global array, after "
-            "jax.distributed or mpicoll.distributed.initialize()); collect it with jax.lax "
-            "collectives over the global mesh's axes inside jax.shard_map, or pass each "
-            "process's own part (x.addressable_shards)")
+        raise _global_array_refused(caller)
     if not isinstance(sharding, NamedSharding):
         raise NotImplementedError(
             f"mpicoll.{caller}: x is laid out over {len(sharding.device_set)} devices by a "
             f"{type(sharding).__name__}; mpicoll reads a NamedSharding's mesh and spec: "
             "place it with jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))")
     return Layout(sharding.mesh, sharding.spec, len(x.shape))
+
+
+def _global_array_refused(caller):
+    """The error for a value laid out over other processes' devices too.  mpicoll's
+    collectives take each process's own array; what a global array's collective
+    across its processes would mean is jax.lax's to say (over the global mesh's
+    axes), so eager calls and traced ones refuse it alike."""
+    return NotImplementedError(
+        f"mpicoll.{caller}: x spans devices of other processes (a global array, after "
+        "jax.distributed or mpicoll.distributed.initialize()); collect it with jax.lax "
+        "collectives over the global mesh's axes inside jax.shard_map, or pass each "
+        "process's own part (x.addressable_shards)")
 
 
 def _context_layout(x, caller):
@@ -128,6 +136,10 @@ def _traced_layout(mesh, spec, ndim, caller):
             if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1]
     if not free:
         return None  # inside shard_map or pmap: one device's shard
+    if mesh.size > jax.local_device_count():
+        # A traced value's mesh is abstract (no devices to ask), but one larger than
+        # this process's devices spans other processes: a global array.
+        raise _global_array_refused(caller)
     if len(free) != len([name for name in mesh.axis_names if mesh.shape[name] > 1]):
         raise NotImplementedError(
             f"mpicoll.{caller}: x is traced inside jax.shard_map over some of the mesh's "

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _compat
+from .. import _compat, users_line_now
 from ..runtime import dtypes, comm as comm_layer
 from . import varying
 from ..observe import failures
@@ -115,8 +115,10 @@ def _compare_rejection(comm, caller, error):
     # The program would run on one device, or on each local device under
     # pmap/shard_map, each talking on its own communicator.
     devices = 1 if _compat.at_top_level() else _compat.devices_running_this_trace()
+    where = users_line_now()
+    rejected = f"rejected: {error}" + (f", called at {where}" if where else "")
     for device in range(min(devices, len(info.per_device))):
-        mismatch = extension.compare_call(info.slot, device, f"rejected: {error}")
+        mismatch = extension.compare_call(info.slot, device, rejected)
         if mismatch:
             raise jax.errors.JaxRuntimeError(mismatch) from error
 

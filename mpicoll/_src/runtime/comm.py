@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from .. import PACKAGE_DIR
 from .. import _compat
-from . import native, settings
+from . import faults, native, settings
 from .native import extension
 
 _BUILD = extension.build_info()
@@ -139,8 +139,10 @@ def _register(comm, caller):
     # (the watchdog names the call that uses it first), since a rank that never
     # gets here would hang the others.
     extension.begin_setup(_first_call(caller), name, members)
+    during = f"the set-up of communicator {name} (its first use, by mpicoll.{caller})"
     try:
         for device in range(local_devices):
+            faults._test_kill_at(f"dup{device}")
             dup = comm.Dup()
             dup.Set_name(f"mpicoll:{name}:device{device}")
             dup.Set_errhandler(MPI.ERRORS_RETURN)
@@ -148,13 +150,27 @@ def _register(comm, caller):
             if device == 0:
                 # Every member makes the first duplicate; whether they make the
                 # same number of others is settled on it, before they do.
+                faults._test_kill_at("layout")
                 _agree_on_layout(dup, comm, caller, local_devices, members, per_device)
+            faults._test_kill_at("register")
             extension.register_comm(slot, device, dup.handle)
+        _open_side_channel(comm)
+    except (MPI.Exception, RuntimeError) as error:
+        # A rank lost now is a lost rank like one lost in a collective: RankLost on
+        # every survivor (each wakes: the communicators are revoked).  The key is
+        # burnt, so that what was registered under it is never found again.
+        if isinstance(error, faults.RankLost):
+            raise
+        lost = (faults.lost_in_setup(error, [comm, *per_device], during)
+                if isinstance(error, MPI.Exception) else faults.as_rank_lost(error, during))
+        if lost is None:
+            raise
+        _generations[index] += 1
+        raise lost from None
     finally:
         extension.end_setup()
     _free_slots.pop()
     _generations[index] += 1
-    _open_side_channel(comm)
     info = CommInfo(slot=slot, size=comm.Get_size(), rank=comm.Get_rank(), name=name,
                     per_device=tuple(per_device))
     comm.Set_attr(_SLOT_KEYVAL, info)
@@ -242,7 +258,7 @@ def _open_side_channel(comm):
         extension.set_side_channel(_side_channel.handle)
     else:
         for _ in range(60000):  # the watchdog completes it within a few of its ticks
-            handle = extension.side_channel_handle()
+            handle = extension.side_channel_handle()  # RuntimeError: a rank was lost first
             if handle is not None:
                 break
             time.sleep(0.001)

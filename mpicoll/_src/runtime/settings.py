@@ -30,7 +30,7 @@ MPICOLL_* variable nothing reads warns once, with the closest known name.
   MPICOLL_AS_MPI4JAX           off | on: `import mpi4jax` gives mpicoll.mpi4jax (read at start-up
                                by _mpicoll_as_mpi4jax.py, beside the package; here for info)
   MPICOLL_JAX_COLLECTIVES      auto | gloo: after mpicoll.distributed.initialize() JAX's own CPU
-                               collectives run on mpicoll's MPI (auto, one device per process)
+                               collectives run on mpicoll's MPI (auto, any devices per process)
                                or on JAX's gloo (read at start-up by _mpicoll_jax_mpi.py too)
   MPICOLL_FT                   off | on: the job was launched fault-tolerant (launch/mpirun.sh
                                adds ULFM's flags): a lost rank raises mpicoll.RankLost
@@ -102,6 +102,9 @@ class Settings:
     # Set by launch/mpirun.sh (MPICOLL_FT=1) for a fault-tolerant launch; read by
     # survive.py (a job that survives a lost rank, docs/surviving.md).
     ft: bool = False
+    # At the job's end rank 0 prints how much of the run went to communication,
+    # per rank and per kind of collective (observe/summary.py).
+    summary: bool = False
 
 
 # The spellings every setting shares (docs/settings.md): case is ignored, and
@@ -218,6 +221,7 @@ _VARIABLES = {
     "as_mpi4jax": ("MPICOLL_AS_MPI4JAX", _flag),
     "jax_collectives": ("MPICOLL_JAX_COLLECTIVES", _choice(JAX_COLLECTIVES)),
     "ft": ("MPICOLL_FT", _flag),
+    "summary": ("MPICOLL_SUMMARY", _flag),
 }
 
 
@@ -228,10 +232,14 @@ OTHER_VARIABLES = {
     "MPICOLL_MPIEXEC": "launch/, tests/, make: the mpiexec to start ranks with",
     "MPICOLL_VENV": "launch/: the virtual environment the ranks run in",
     "MPICOLL_TEST_FT_VENV": "tests/test_survive.py: an Open MPI venv to survive lost ranks in",
+    "MPICOLL_TEST_RUN": "make test: marks a test run's processes (tools/end-test-run.sh)",
     "MPICOLL_LAUNCH_TIMEOUT": "launch/mpirun.sh: end the job after so many seconds",
     "MPICOLL_LAUNCH_VERBOSE": "launch/mpirun.sh: print the command line it runs",
     "MPICOLL_LAUNCH_TAG_OUTPUT": "launch/mpirun.sh: each line of output names its rank",
     "MPICOLL_SLURM_LAUNCHER": "launch/slurm.sbatch: srun or mpiexec",
+    "MPICOLL_TEST_KILL": "runtime/faults.py, csrc/engine/test_kill.h: tests' kill points "
+                         "(moment@rank/recoveries,...)",
+    "MPICOLL_TEST_KILL_LOG": "tests/programs/survive_moments.py: where each test kill is logged",
     "MPICOLL_TEST_OTHER_LIBMPI": "tests/test_build.py: another MPI library to load",
     "MPICOLL_MATMUL_N": "examples/batched_matmul.py: the matrices' size",
     "MPICOLL_MATMUL_BATCH": "examples/batched_matmul.py: the batch",
@@ -248,18 +256,38 @@ def known_variables():
     return [variable for variable, _ in _VARIABLES.values()] + list(OTHER_VARIABLES)
 
 
+def _misspelt_prefix(name):
+    """The rest of a name whose prefix is MPICOLL_ misspelt (MPICOL_TIMEOUT,
+    MPI_COLL_CHECK, MPICOLLTIMEOUT), else None."""
+    if name.startswith("MPICOLL_"):
+        return None
+    head, _, rest = name.partition("_")
+    if rest and difflib.SequenceMatcher(None, head, "MPICOLL").ratio() >= 0.8:
+        return rest
+    squashed = name.replace("_", "")
+    if squashed.startswith("MPICOLL") and len(squashed) > len("MPICOLL"):
+        return squashed[len("MPICOLL"):]
+    return None
+
+
 def unknown_variables(environ=os.environ):
     """[(variable, the closest known name or None)] for each MPICOLL_* variable set
-    that mpicoll does not read, in name order."""
+    that mpicoll does not read, and each whose MPICOLL_ is misspelt, in name order."""
     known = known_variables()
     prefix = len("MPICOLL_")
+    # Compared without the common prefix (which would make every name "close"),
+    # and without underscores (STALLREPORT is STALL_REPORT).
+    rests = {k[prefix:].replace("_", ""): k for k in known}
     unknown = []
     for name in sorted(environ):
         if name.startswith("MPICOLL_") and name not in known:
-            # Compared without the common prefix, which would make every name "close".
-            close = difflib.get_close_matches(name[prefix:], [k[prefix:] for k in known], n=1,
-                                              cutoff=0.6)
-            unknown.append((name, "MPICOLL_" + close[0] if close else None))
+            rest = name[prefix:]
+        elif _misspelt_prefix(name) is not None:
+            rest = _misspelt_prefix(name)
+        else:
+            continue
+        close = difflib.get_close_matches(rest.replace("_", ""), list(rests), n=1, cutoff=0.6)
+        unknown.append((name, rests[close[0]] if close else None))
     return unknown
 
 
@@ -269,13 +297,23 @@ def unknown_variable_message(name, closest):
             "(the settings: docs/settings.md)")
 
 
+class SettingError(ValueError):
+    """A setting's value mpicoll cannot read (its message names the variable)."""
+
+
 def from_environment(environ=os.environ):
-    """(Settings, {field: where its value came from}); ValueError naming a bad variable."""
+    """(Settings, {field: where its value came from}); SettingError (a ValueError)
+    naming a bad variable."""
     values, where = {}, {}
     for field, (variable, parse) in _VARIABLES.items():
         raw = environ.get(variable, "").strip()
         if raw:
-            values[field] = parse(variable, raw)
+            try:
+                values[field] = parse(variable, raw)
+            except SettingError:
+                raise
+            except ValueError as error:
+                raise SettingError(str(error)) from None
             where[field] = f"{variable}={raw}"
         else:
             where[field] = "default"

@@ -135,6 +135,31 @@ inline std::atomic<bool> rank_lost{false};
 // The marker Python turns into mpicoll.RankLost (runtime/faults.py).
 inline constexpr const char* kRankLostMarker = "a rank of the job was lost";
 
+// The error code of a failed process, for a failure this process learnt of
+// without an MPI call returning it (KnownFailedProcess).
+#if defined(MPIX_ERR_PROC_FAILED)
+constexpr int kProcessFailed = MPIX_ERR_PROC_FAILED;
+#else
+constexpr int kProcessFailed = MPI_ERR_OTHER;
+#endif
+
+// Whether this process knows a process of `comm` to have failed (ULFM's local
+// view, no communication): for a wait that a failure may leave pending rather
+// than fail, such as a nonblocking duplicate of COMM_WORLD.
+inline bool KnownFailedProcess(MPI_Comm comm) {
+#if defined(MPIX_ERR_PROC_FAILED) && defined(OMPI_MAJOR_VERSION) && OMPI_MAJOR_VERSION >= 5
+  MPI_Group failed = MPI_GROUP_NULL;
+  if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) return false;
+  int size = 0;
+  MPI_Group_size(failed, &size);
+  MPI_Group_free(&failed);
+  return size > 0;
+#else
+  (void)comm;
+  return false;
+#endif
+}
+
 // Whether rc says a process of the communicator failed, or the communicator was
 // revoked because one did.  The first failure seen revokes every communicator
 // mpicoll talks on (of more than one rank: every device's, every split's), so
@@ -147,9 +172,12 @@ inline bool RankLostFailure(MPI_Comm comm, int rc) {
   if (MPI_Error_class(rc, &error_class) != MPI_SUCCESS) return false;
   if (error_class != MPIX_ERR_PROC_FAILED && error_class != MPIX_ERR_PROC_FAILED_PENDING &&
       error_class != MPIX_ERR_REVOKED) {
-    return false;
+    // Open MPI's communicator creation may fail with MPI_ERR_OTHER when a
+    // member dies during it (its nonblocking agreement on a context id): any
+    // error on a communicator with a process known to have failed is that failure.
+    if (comm == MPI_COMM_NULL || !KnownFailedProcess(comm)) return false;
   }
-  MPIX_Comm_revoke(comm);
+  if (comm != MPI_COMM_NULL) MPIX_Comm_revoke(comm);
   if (!rank_lost.exchange(true)) {
     for (std::atomic<CommRow*>& slot : comm_table) {
       CommRow* row = slot.load(std::memory_order_acquire);
@@ -169,15 +197,37 @@ inline bool RankLostFailure(MPI_Comm comm, int rc) {
 #endif
 }
 
-inline ffi::Error MpiFailure(const Call& c, int rc) {
+// What follows a failed MPI call's text where a rank was lost: Python raises the
+// error as mpicoll.RankLost from eager calls and mpicoll.fault_tolerant steps;
+// a bare jax.jit step raises it as JAX's own error type, which no handler can
+// change, so the text says how to catch it as RankLost.
+inline const std::string& RankLostSuffix() {
+  static const std::string suffix =
+      std::string(" (") + kRankLostMarker +
+      ": mpicoll.RankLost, raised as such where the jitted step is wrapped with "
+      "mpicoll.fault_tolerant)";
+  return suffix;
+}
+
+// The one text of a failed MPI call, for every caller that meets one (a
+// collective, the check across ranks, a communicator's registration): `what`,
+// MPI's own text, and where a process failed (the communicators are then
+// revoked, RankLostFailure) `lost`, which holds the marker Python turns into
+// mpicoll.RankLost.  XLA's own collectives (mpiabi/jax_calls.cc) say only the
+// marker: they run in a plain jit, on communicators of XLA's that no shrink remakes.
+inline std::string MpiFailureText(const std::string& what, MPI_Comm comm, int rc,
+                                  const std::string& lost = RankLostSuffix()) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
-  const std::string lost = RankLostFailure(c.comm, rc)
-      ? std::string(" (") + kRankLostMarker + ": mpicoll.RankLost)" : std::string();
-  return ffi::Error::Internal(std::string("mpicoll.") + c.name + " failed on rank " +
-                              std::to_string(c.rank) + " of communicator " + CommName(c.comm) +
-                              ": " + std::string(text, len) + lost);
+  return what + ": " + std::string(text, len) + (RankLostFailure(comm, rc) ? lost : std::string());
+}
+
+inline ffi::Error MpiFailure(const Call& c, int rc) {
+  return ffi::Error::Internal(MpiFailureText(std::string("mpicoll.") + c.name +
+                                                 " failed on rank " + std::to_string(c.rank) +
+                                                 " of communicator " + CommName(c.comm),
+                                             c.comm, rc));
 }
 
 inline ffi::Error Resolve(Call& c, int32_t device, int64_t comm_slot) {

@@ -19,6 +19,15 @@ namespace mpicoll {
 // allocated at registration and never moved or freed.
 constexpr int kMaxComms = 1024;
 constexpr int kMaxLocalDevices = 256;
+// The slots the watch (watch/guard.h) and the flight recorder keep state in:
+// each local device's, then XLA's own collectives' where JAX's CPU collectives
+// run on mpicoll's MPI (mpiabi/jax_calls.cc), one per XLA communicator (taken
+// in turn from kXlaSlot up): a communicator's collectives come one at a time,
+// so its slot has one call in it, and its sequence numbers are the
+// communicator's alone.
+constexpr int kXlaSlot = kMaxLocalDevices;
+constexpr int kXlaSlots = kMaxLocalDevices;
+constexpr int kCallSlots = kMaxLocalDevices + kXlaSlots;
 // Rank and size are looked up once, at registration, not on every call.
 struct DeviceComm {
   MPI_Comm comm = MPI_COMM_NULL;

@@ -169,7 +169,15 @@ struct MeetingCall {
 struct MeetingRecord {
   FlightRecord* record = nullptr;
   bool failed = false;
-  MeetingRecord(LocalMeeting& m, const Call& c, int32_t device, const std::string& devices) {
+  // The device's whole part in the meeting counts in the end-of-job summary
+  // (totals.h); its waits and the leader's MPI call inside it are inner calls.
+  int32_t device;
+  Counted counted;
+  const char* kind;
+  int64_t bytes, begun_ns;
+  MeetingRecord(LocalMeeting& m, const Call& c, int32_t device, const std::string& devices)
+      : device(device), counted(BeginCounted(device)), kind(c.name),
+        bytes(static_cast<int64_t>(c.in_count * c.elem_bytes)), begun_ns(NowNs()) {
     const uint64_t sequence = ++m.met[device];
     if (!Recording()) return;
     const CommIdentity* identity = m.identity.load(std::memory_order_acquire);
@@ -187,7 +195,11 @@ struct MeetingRecord {
     }
     record = BeginRecord(device, c, identity, sequence, 0, NowNs());
   }
-  ~MeetingRecord() { FinishRecord(record, NowNs(), failed); }
+  ~MeetingRecord() {
+    const int64_t now = NowNs();
+    FinishRecord(record, now, failed);
+    EndCounted(device, counted, kind, now - begun_ns, bytes);
+  }
 };
 
 // One device's part of a meeting, on its progress thread.

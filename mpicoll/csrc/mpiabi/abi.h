@@ -7,7 +7,8 @@
 // with no MPI of its own) exports every name jaxlib resolves (names.def) and
 // forwards the calls XLA makes to mpicoll's extension, which connects to it at
 // mpicoll.distributed.initialize() (jax_calls.cc) and runs them on the job's
-// MPI.  So the library is the same for every MPI, and one MPI runs the job.
+// MPI, under mpicoll's watch.  So the library is the same for every MPI, and
+// one MPI runs the job.
 //
 //   * Constants are 8-byte tokens, read by the trampoline as int or pointer
 //     (little-endian: an int reads the low half).  The MPI standard's fixed
@@ -28,9 +29,10 @@
 // Comm_size, Is_thread_main, Comm_split, Comm_free, Allreduce, Allgather,
 // Reduce_scatter, Sendrecv, Isend, Irecv, Wait, Error_string, Finalize), pass
 // MPI_STATUS_IGNORE and never MPI_IN_PLACE, and free their communicators after
-// their exit-time Finalize.  With several CPU devices per process XLA refuses
-// (Is_thread_main is false on a device's thread): JAX's collectives stay on
-// gloo there (over_ranks/jax_transport.py).
+// their exit-time Finalize.  With several CPU devices per process XLA asks
+// Is_thread_main on each device's thread (the library answers yes: mpicoll's
+// MPI is MPI_THREAD_MULTIPLE) and makes each device's communicator itself:
+// xla_groups.h makes those groups of devices over the processes.
 #pragma once
 
 #include <cstddef>

@@ -115,7 +115,7 @@ struct FlightRecorder {
   std::atomic<bool> tracing{false};           // keep every record (MPICOLL_TRACE)
   std::atomic<uint64_t> trace_generation{0};  // +1 at each start of a trace
   std::atomic<int64_t> trace_skip{0};         // each site's first N calls are not traced
-  std::atomic<DeviceLog*> device_logs[kMaxLocalDevices] = {};
+  std::atomic<DeviceLog*> device_logs[kCallSlots] = {};
   std::atomic<int64_t> clock_offset_ns{0};    // rank 0's clock minus this one's (tracing)
   std::mutex mutex;
   std::string flight_dir, trace_dir;  // (mutex: read them with FolderOf)
@@ -269,13 +269,31 @@ inline std::string JsonString(const std::string& text) {
   return out + "\"";
 }
 
+// The user's name of a communicator: mpicoll's duplicates are named
+// "mpicoll:<name>:device<k>" (comm.py).  Records keep the full name.
+inline std::string UserCommName(std::string name) {
+  const std::string prefix = "mpicoll:";
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  const size_t device = name.rfind(":device");
+  return device == std::string::npos ? name : name.substr(0, device);
+}
+
 // Call sites as the user's source lines (set from Python when a call is lowered).
 struct CallSites {
   std::mutex mutex;
   std::map<int64_t, std::string> descriptions;  // site -> "file:line (function)"
+  std::map<int64_t, std::string> written_as;    // site -> "jax.lax.psum over (...)"
   std::set<int64_t> uncompared;                 // eager calls' (module_watch.cc)
 };
 inline CallSites call_sites;
+
+// The collective as the user wrote it, where that is not mpicoll's own call
+// (a jax.lax collective routed to mpicoll), else "".
+inline std::string SiteWrittenAs(int64_t site) {
+  std::lock_guard<std::mutex> lock(call_sites.mutex);
+  auto found = call_sites.written_as.find(site);
+  return found == call_sites.written_as.end() ? std::string() : found->second;
+}
 
 inline bool SiteCompared(int64_t site) {
   std::lock_guard<std::mutex> lock(call_sites.mutex);
@@ -286,6 +304,12 @@ inline std::string SiteText(int64_t site) {
   std::lock_guard<std::mutex> lock(call_sites.mutex);
   auto found = call_sites.descriptions.find(site);
   return found == call_sites.descriptions.end() ? std::string() : found->second;
+}
+
+// What a watch slot's calls are, in reports and records: "local device 1", or
+// "XLA's own collectives" (from kXlaSlot up).
+inline std::string SlotName(int slot) {
+  return slot >= kXlaSlot ? "XLA's own collectives" : "local device " + std::to_string(slot);
 }
 
 inline std::string& HostName() {
@@ -326,13 +350,13 @@ inline std::string RecordsJson(int world_rank, int world_size, const std::string
                 "{\"name\": \"rank %d\"}}",
                 world_rank, world_rank);
   out += meta;
-  for (int d = 0; d < kMaxLocalDevices; ++d) {
+  for (int d = 0; d < kCallSlots; ++d) {
     DeviceLog* log = flight.device_logs[d].load(std::memory_order_acquire);
     if (!log) continue;
     std::snprintf(meta, sizeof(meta),
                   ",\n{\"ph\": \"M\", \"name\": \"thread_name\", \"pid\": %d, \"tid\": %d, "
-                  "\"args\": {\"name\": \"local device %d\"}}",
-                  world_rank, d, d);
+                  "\"args\": {\"name\": \"%s\"}}",
+                  world_rank, d, SlotName(d).c_str());
     out += meta;
     // The slots in use, in the order they were written (by their stamps): the
     // ring's, and the trace's where it is this trace's.

@@ -22,7 +22,10 @@
 #include "../engine/comm_table.h"
 #include "../engine/dtypes.h"
 #include "flight.h"
+#include "python_stacks.h"
+#include "totals.h"
 #include "../engine/reduce_ops.h"
+#include "../engine/test_kill.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace mpicoll {
@@ -97,7 +100,7 @@ struct DeviceChecks {
   std::unordered_map<uint64_t, CallFacts*> interned;  // description hash -> facts
   std::unordered_set<uint64_t> agreed;                // MixHash(description hash, comm key)
 };
-inline DeviceChecks device_checks[kMaxLocalDevices];
+inline DeviceChecks device_checks[kCallSlots];
 
 inline const CallFacts* Intern(DeviceChecks& checks, std::string description) {
   const uint64_t hash = Fnv1a(description);
@@ -124,7 +127,10 @@ CheckPlan PlanCheck(const Call& c, int32_t device, Describe&& describe) {
   if (c.site != 0) {
     site = &checks.sites[c.site];
     if (!site->facts) {
-      site->facts = Intern(checks, describe());
+      // A jax.lax collective is described as the user wrote it, then as mpicoll
+      // runs it: "jax.lax.psum over (...) of float32[2] per device: allreduce(...)".
+      const std::string written_as = SiteWrittenAs(c.site);
+      site->facts = Intern(checks, written_as.empty() ? describe() : written_as + ": " + describe());
       site->site_hash = SiteCompared(c.site) ? Fnv1a(SiteText(c.site)) : 0;
     }
     plan.facts = site->facts;
@@ -153,7 +159,7 @@ inline void MarkAgreed(const Call& c, int32_t device, const CallFacts* facts) {
   if (c.site != 0) checks.sites[c.site].agreed = true;
 }
 
-constexpr int kDescriptionBytes = 256;
+constexpr int kDescriptionBytes = 768;  // a call as written, as run, and its source line
 // Every mismatch message starts with this (Python looks for it, and users may).
 constexpr const char* kMismatchPrefix = "mpicoll: ranks called different collectives";
 
@@ -167,9 +173,14 @@ std::string MismatchMessage(MPI_Comm comm, const std::string& comm_name, int ran
   std::strncpy(mine, describe().c_str(), kDescriptionBytes - 1);
   const int rc = MPI_Allgather(mine, kDescriptionBytes, MPI_CHAR, all.data(), kDescriptionBytes,
                                MPI_CHAR, comm);
-  std::string message = std::string(kMismatchPrefix) + " on " + comm_name +
+  std::string message = std::string(kMismatchPrefix) + " on " + UserCommName(comm_name) +
                         " (this is rank " + std::to_string(rank) + "):";
-  for (int r = 0; rc == MPI_SUCCESS && r < size; ++r) {
+  if (rc != MPI_SUCCESS) {  // a rank was lost while the ranks told each other their calls
+    return MpiFailureText("mpicoll: the check across ranks (MPI_Allgather of the calls) on " +
+                              comm_name + " failed on rank " + std::to_string(rank),
+                          comm, rc);
+  }
+  for (int r = 0; r < size; ++r) {
     message += "\n  rank " + std::to_string(r) + ": " + (all.data() + r * kDescriptionBytes);
   }
   return message;
@@ -205,9 +216,16 @@ std::string CompareAcrossRanks(MPI_Comm comm, const std::string& comm_name, int 
   all.resize(stride * size);
   std::memcpy(mine.data(), &fingerprint, sizeof(fingerprint));
   if (bytes) std::memcpy(mine.data() + 16, block, bytes);
+  TestKillAt("check");
   const int rc = MPI_Allgather(mine.data(), static_cast<int>(stride), MPI_BYTE, all.data(),
                                static_cast<int>(stride), MPI_BYTE, comm);
-  if (rc != MPI_SUCCESS) return "mpicoll: the check across ranks failed (MPI_Allgather)";
+  // A failed check is a failed collective: where a rank was lost, the same path
+  // (the communicators revoked, so every survivor wakes; then mpicoll.RankLost).
+  if (rc != MPI_SUCCESS) {
+    return MpiFailureText("mpicoll: the check across ranks (MPI_Allgather) on " + comm_name +
+                              " failed on rank " + std::to_string(rank),
+                          comm, rc);
+  }
   for (int r = 0; r < size; ++r) {
     if (std::memcmp(all.data() + r * stride, &fingerprint, sizeof(fingerprint)) != 0) {
       return MismatchMessage(comm, comm_name, rank, size, describe);
@@ -252,11 +270,12 @@ struct InFlight {
   std::atomic<int64_t> count{0};
   std::atomic<int64_t> left_ns{0};  // when this device last left a collective
 };
-// One slot per local device, plus one for the communicator setup Python does
-// collectively at a communicator's first use (MPI_Comm_dup per device): a rank
-// that never reaches it would otherwise hang the others outside any collective.
-constexpr int kSetupSlot = kMaxLocalDevices;
-inline InFlight in_flight[kMaxLocalDevices + 1];
+// One slot per local device and XLA's (comm_table.h's kCallSlots), plus one for
+// the communicator setup Python does collectively at a communicator's first use
+// (MPI_Comm_dup per device): a rank that never reaches it would otherwise hang
+// the others outside any collective.
+constexpr int kSetupSlot = kCallSlots;
+inline InFlight in_flight[kCallSlots + 1];
 
 inline const int64_t process_start_ns = NowNs();
 
@@ -299,6 +318,7 @@ constexpr int kAbortBackstopSeconds = 10;
 struct CommCounter {
   std::atomic<uint64_t> sequence{0};
   std::atomic<const CallFacts*> last{nullptr};
+  std::atomic<int64_t> last_site{0};  // the last call's site (flight.h's CallSites)
   std::atomic<uint64_t> checked{0};  // the last call whose comparison across ranks ended
   std::atomic<int64_t> used_ns{0};
   const CommIdentity* identity = nullptr;
@@ -307,7 +327,7 @@ struct DeviceCounters {
   std::mutex mutex;
   std::unordered_map<int64_t, CommCounter> by_comm;
 };
-inline DeviceCounters counters[kMaxLocalDevices];
+inline DeviceCounters counters[kCallSlots];
 
 inline CommCounter& CounterOf(int32_t device, int64_t comm_key, MPI_Comm comm) {
   DeviceCounters& mine = counters[device];
@@ -332,6 +352,11 @@ struct InFlightScope {
   FlightRecord* record = nullptr;
   uint64_t sequence = 0;
   bool failed = false;  // set by the caller when the collective returns an error
+  // The end-of-job summary's part (totals.h): the call's kind, bytes and start.
+  Counted counted = Counted::kNo;
+  int32_t device = 0;
+  const char* kind = nullptr;
+  int64_t bytes = 0, begun_ns = 0;
   InFlightScope(const Call& c, int32_t device, bool new_call = true, int64_t queued_ns = 0,
                 const CallFacts* facts = nullptr, bool collective = true) {
     slot = &in_flight[device];
@@ -348,10 +373,17 @@ struct InFlightScope {
     // communicator only: it takes no sequence number (0), or the members'
     // numbers would drift apart.
     sequence = collective ? counter.sequence.load(std::memory_order_relaxed) : 0;
+    this->device = device;
+    if (new_call && (counted = BeginCounted(device)) != Counted::kNo) {
+      kind = c.name;
+      bytes = static_cast<int64_t>(c.in_count * c.elem_bytes);
+      begun_ns = now;
+    }
     if (new_call) {
       if (collective) {
         counter.sequence.store(++sequence, std::memory_order_relaxed);
         if (facts) counter.last.store(facts, std::memory_order_relaxed);
+        counter.last_site.store(c.site, std::memory_order_relaxed);
       }
       counter.used_ns.store(now, std::memory_order_relaxed);
       if (Recording()) {
@@ -367,6 +399,7 @@ struct InFlightScope {
   ~InFlightScope() {
     const int64_t now = NowNs();
     FinishRecord(record, now, failed);
+    EndCounted(device, counted, kind, now - begun_ns, bytes);
     slot->left_ns.store(now, std::memory_order_relaxed);
     slot->started_ns.store(0, std::memory_order_release);
   }
@@ -382,13 +415,18 @@ inline uint64_t Fingerprint(const CheckPlan& plan, const InFlightScope& watched)
              ? MixHash(fingerprint, plan.site_hash) : fingerprint;
 }
 
-// This rank's line of a mismatch message.
+// This rank's line of a mismatch message, with the user's source line of the
+// call where it is known: a jitted call's; for a site whose lowered line may be
+// another call's (an eager call's program was lowered by its first caller), the
+// main thread's stack while it waits in the call, else that line.  The error
+// surfaces where JAX next waits on the program (often a later line), so the
+// message must say where the collective is.
 inline std::string CheckedCallText(const Call& c, const CheckPlan& plan,
                                    const InFlightScope& watched) {
   std::string text = plan.facts->description + ", sequence " + std::to_string(watched.sequence);
-  const bool with_site =
-      watch_settings.check_mode.load(std::memory_order_relaxed) == kCheckEveryCall;
-  const std::string site = with_site && plan.site_hash ? SiteText(c.site) : std::string();
+  std::string site;
+  if (c.site != 0 && !SiteCompared(c.site)) site = MainThreadCallerLine();
+  if (c.site != 0 && site.empty()) site = SiteText(c.site);
   return site.empty() ? text : text + ", called at " + site;
 }
 

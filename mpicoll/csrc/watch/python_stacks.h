@@ -262,6 +262,27 @@ inline std::string DumpPythonThreads(std::string* why_not) {
   return text;
 }
 
+// Where the main thread is in the user's code, "file:line (function)", while it
+// is inside mpicoll or JAX ("" where it is not, or cannot be read).  An eager
+// call blocks the thread that made it, and JAX caches an eager call's program
+// by signature, so its lowered site names the first caller's line: this is the
+// line of the call that waits now.
+inline std::string MainThreadCallerLine() {
+  std::string why_not;
+  const unsigned long main_ident = watched_python.main_thread.load();
+  for (const PythonThread& thread : ParseThreadDump(DumpPythonThreads(&why_not))) {
+    if (thread.ident != main_ident || thread.frames.empty()) continue;
+    const PythonFrame& innermost = thread.frames.front();
+    if (!InsideMpicoll(innermost) && !InsideJax(innermost)) return std::string();
+    for (const PythonFrame& f : thread.frames) {
+      if (!InsideMpicoll(f) && !InsideJax(f)) {
+        return f.file + ":" + f.line + " (" + f.function + ")";
+      }
+    }
+  }
+  return std::string();
+}
+
 // The report's lines for this process's Python threads (innermost frame first).
 inline std::string PythonStacks() {
   std::string why_not;

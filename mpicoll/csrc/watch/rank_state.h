@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <list>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -45,7 +46,7 @@ struct CallState {
   int32_t checked = 0;  // not in a call: its last one's comparison across ranks ended
   double seconds = 0;      // in the call so far
   char comm[48] = {};      // the user's name of the communicator
-  char call[112] = {};     // e.g. allreduce(float32[4], op=sum)
+  char call[192] = {};     // e.g. allreduce(float32[4], op=sum), or as written: jax.lax.psum over ...: allreduce(...)
   char site[96] = {};
 };
 
@@ -55,6 +56,7 @@ struct RankStateHeader {
   int32_t exit_code = 0;
   int32_t count = 0;        // CallStates that follow
   int32_t stack_bytes = 0;  // then its Python stack's text (python_stacks.h)
+  int32_t records_bytes = 0;  // then (an end notice) its flight folder, '\0', its records
   double idle_seconds = 0;  // since a local device last left a collective (none in one)
   double waited = 0;        // (set by the asker) how long it waited for an answer that never came
   char host[64] = {};
@@ -65,6 +67,7 @@ struct RankState {
   RankStateHeader head;
   std::vector<CallState> calls;
   std::string python_stack;  // report lines; "" where not asked for
+  std::string records;       // an end notice's: as SendRecords sends them (side_channel.h)
   bool Answered() const { return head.world_rank >= 0; }
   bool InCollective() const {
     return std::any_of(calls.begin(), calls.end(),
@@ -80,15 +83,6 @@ struct RankState {
 
 inline uint64_t CommHash(const CommIdentity* identity) {
   return identity ? Fnv1a(identity->members, Fnv1a(identity->name)) : 0;
-}
-
-// The user's name of a communicator: mpicoll's duplicates are named
-// "mpicoll:<name>:device<k>" (comm.py).
-inline std::string UserCommName(std::string name) {
-  const std::string prefix = "mpicoll:";
-  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
-  const size_t device = name.rfind(":device");
-  return device == std::string::npos ? name : name.substr(0, device);
 }
 
 // The communicator setup Python does at a communicator's first use (comm.py):
@@ -134,6 +128,21 @@ inline std::string FallbackCall(const InFlight& f) {
          std::to_string(f.count.load()) + "])";
 }
 
+// The line an eager call in progress was made from: its lowered site is its
+// program's first caller's (JAX caches the program), so the main thread's
+// stack says it (python_stacks.h), read once per call however often the
+// watchdogs ask.  "" where it cannot be told.
+inline std::string EagerCallLine(int device, const InFlight& f) {
+  static std::mutex reading;
+  static std::map<std::pair<int, int64_t>, std::string> lines;  // (device, started) -> line
+  const int64_t started = f.started_ns.load(std::memory_order_acquire);
+  std::lock_guard<std::mutex> lock(reading);
+  auto found = lines.find({device, started});
+  if (found != lines.end()) return found->second;
+  if (lines.size() > 64) lines.clear();
+  return lines[{device, started}] = MainThreadCallerLine();
+}
+
 // A device's collective in progress.
 inline CallState InFlightState(int device, int64_t now, int asker) {
   const InFlight& f = in_flight[device];
@@ -151,7 +160,8 @@ inline CallState InFlightState(int device, int64_t now, int asker) {
        serialized_mpi.on.load() ? std::string("its communicator")
                                   : UserCommName(CommName(f.comm.load(std::memory_order_relaxed))));
   Copy(s.call, sizeof(s.call), facts ? facts->description : FallbackCall(f));
-  Copy(s.site, sizeof(s.site), SiteText(f.site.load(std::memory_order_relaxed)));
+  const int64_t site = f.site.load(std::memory_order_relaxed);
+  Copy(s.site, sizeof(s.site), SiteCompared(site) ? SiteText(site) : EagerCallLine(device, f));
   return s;
 }
 
@@ -166,6 +176,9 @@ inline CallState LastState(int device, const CommCounter& counter) {
   s.device = device;
   Copy(s.comm, sizeof(s.comm), counter.identity ? UserCommName(counter.identity->name) : "?");
   Copy(s.call, sizeof(s.call), last ? last->description : "?");
+  // An eager call's lowered site is its program's first caller's: left out.
+  const int64_t site = counter.last_site.load(std::memory_order_relaxed);
+  if (site && SiteCompared(site)) Copy(s.site, sizeof(s.site), SiteText(site));
   return s;
 }
 
@@ -195,7 +208,7 @@ inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, in
     s.head.idle_seconds = (now - (last_left ? last_left : process_start_ns)) * 1e-9;
   }
   std::vector<std::pair<int64_t, CallState>> lasts;  // (last used, state)
-  for (int d = 0; d < kMaxLocalDevices; ++d) {
+  for (int d = 0; d < kCallSlots; ++d) {
     DeviceCounters& mine = counters[d];
     std::lock_guard<std::mutex> lock(mine.mutex);
     for (const auto& [key, counter] : mine.by_comm) {
@@ -204,7 +217,8 @@ inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, in
       if (!all_comms && std::find(asked.begin(), asked.end(), hash) == asked.end()) continue;
       lasts.emplace_back(counter.used_ns.load(std::memory_order_relaxed), LastState(d, counter));
     }
-    if (mine.by_comm.empty() && d > 0) break;  // devices are used from 0 up
+    // Devices' slots are used from 0 up (XLA's, from kXlaSlot, by communicator).
+    if (mine.by_comm.empty() && d > 0 && d < kXlaSlot) d = kXlaSlot - 1;
   }
   std::sort(lasts.begin(), lasts.end(),
             [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -222,13 +236,19 @@ inline RankState OwnState(const std::vector<uint64_t>& asked, bool all_comms, in
 inline std::vector<char> Pack(const RankState& s) {
   RankStateHeader head = s.head;
   head.stack_bytes = static_cast<int32_t>(s.python_stack.size());
+  head.records_bytes = static_cast<int32_t>(s.records.size());
   const size_t calls = s.calls.size() * sizeof(CallState);
-  std::vector<char> bytes(sizeof(RankStateHeader) + calls + s.python_stack.size());
+  std::vector<char> bytes(sizeof(RankStateHeader) + calls + s.python_stack.size() +
+                          s.records.size());
   std::memcpy(bytes.data(), &head, sizeof(RankStateHeader));
   if (calls) std::memcpy(bytes.data() + sizeof(RankStateHeader), s.calls.data(), calls);
   if (!s.python_stack.empty()) {
     std::memcpy(bytes.data() + sizeof(RankStateHeader) + calls, s.python_stack.data(),
                 s.python_stack.size());
+  }
+  if (!s.records.empty()) {
+    std::memcpy(bytes.data() + sizeof(RankStateHeader) + calls + s.python_stack.size(),
+                s.records.data(), s.records.size());
   }
   return bytes;
 }
@@ -249,6 +269,10 @@ inline RankState Unpack(const std::vector<char>& bytes) {
   const size_t stack = std::min<size_t>(bytes.size() - stack_at,
                                         std::max<int32_t>(0, s.head.stack_bytes));
   s.python_stack.assign(bytes.data() + stack_at, stack);
+  const size_t records_at = stack_at + stack;
+  s.records.assign(bytes.data() + records_at,
+                   std::min<size_t>(bytes.size() - records_at,
+                                    std::max<int32_t>(0, s.head.records_bytes)));
   return s;
 }
 

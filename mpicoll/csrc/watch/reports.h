@@ -38,7 +38,7 @@ inline bool InCallProper(const RankState& s) {
 
 inline std::string Describe(const CallState& c) {
   std::string text = std::string(c.call) + " on " + c.comm;
-  if (c.device > 0) text += " (local device " + std::to_string(c.device) + ")";
+  if (c.device > 0 && c.device < kXlaSlot) text += " (" + SlotName(c.device) + ")";
   if (WaitInsideCall(c)) text += ", waiting for this process's other local devices to meet";
   if (c.phase == kPhaseSetup) {
     return text + " (its first collective there: the communicator's setup, MPI_Comm_dup)";
@@ -91,7 +91,8 @@ inline std::string RankLine(int rank, const RankState& s, std::vector<uint64_t> 
     const CallState* c = s.On(comm);
     if (c && (c->phase == kPhaseDone || s.head.ending != kAlive)) {
       parts.push_back("its last on " + std::string(c->comm) + ": sequence " +
-                      std::to_string(c->sequence) + ", " + c->call);
+                      std::to_string(c->sequence) + ", " + c->call +
+                      (c->site[0] ? std::string(", called at ") + c->site : std::string()));
     }
   }
   for (size_t i = 0; i < parts.size(); ++i) text += (i ? "; " : "") + parts[i];
@@ -145,7 +146,7 @@ inline std::vector<int> ParseMembers(const std::string& text) {
 // rank knows them; the others send hashes).
 inline std::vector<Membership> WaitedMemberships() {
   std::vector<Membership> known;
-  for (int d = 0; d < kMaxLocalDevices; ++d) {
+  for (int d = 0; d < kCallSlots; ++d) {
     if (in_flight[d].started_ns.load(std::memory_order_acquire) == 0) continue;
     const CommIdentity* identity = in_flight[d].identity.load(std::memory_order_relaxed);
     if (identity) known.push_back({CommHash(identity), ParseMembers(identity->members)});
@@ -224,7 +225,7 @@ inline Verdict FindDivergence(const std::vector<RankState>& states,
                 (theirs.head.ending == kFinished ? std::string("has finished its script")
                                                  : std::string("is exiting")) +
                 " without reaching the collective rank " + std::to_string(me) + " waits in on " +
-                w.comm;
+                w.comm + (w.site[0] ? std::string(", called at ") + w.site : std::string());
         v.stuck = {me};
         v.comms = {w.comm_hash};
         if (theirs.head.ending == kExiting) v.exiting = m;
@@ -379,9 +380,9 @@ inline std::string TimeoutLine(int me, double limit, const RankState& mine) {
   } else {
     const InFlight& f = in_flight[std::max(0, wait->device)];
     std::snprintf(line, sizeof(line),
-                  "mpicoll: rank %d (rank %d of %s, local device %d) has waited %.1f s in %s "
+                  "mpicoll: rank %d (rank %d of %s, %s) has waited %.1f s in %s "
                   "(MPICOLL_TIMEOUT=%g); aborting the job\n",
-                  me, f.rank.load(), wait->comm, wait->device, wait->seconds,
+                  me, f.rank.load(), wait->comm, SlotName(wait->device).c_str(), wait->seconds,
                   f.name.load() ? f.name.load() : "?", limit);
   }
   return line;

@@ -120,7 +120,8 @@ inline ProcessId ThisProcess() {
 // polls (Step), or by a rank that ends right after its import (Finish).
 class SideChannelOpening {
  public:
-  enum Stage { kNone = 0, kDuplicating = 1, kGathering = 2, kOpen = 3 };
+  // kFailed: a rank was lost (ULFM) before the channel opened; it never will.
+  enum Stage { kNone = 0, kDuplicating = 1, kGathering = 2, kOpen = 3, kFailed = 4 };
 
   void Begin() {
     if (stage_.load() != kNone || serialized_mpi.on.load()) return;
@@ -135,7 +136,28 @@ class SideChannelOpening {
     const int stage = stage_.load();
     if (stage != kDuplicating && stage != kGathering) return;
     int done = 0;
-    if (MPI_Test(&request_, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) return;
+    if (const int rc = MPI_Test(&request_, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+      // A failed process (a fault-tolerant job): the opening is over, and the
+      // rank's first use of COMM_WORLD raises what it says (Failure).
+      const std::string what = stage == kDuplicating
+          ? "mpicoll: opening the watchdogs' side channel (MPI_Comm_idup of COMM_WORLD)"
+          : "mpicoll: opening the watchdogs' side channel (MPI_Iallgather)";
+      failure_ = MpiFailureText(what, stage == kDuplicating ? MPI_COMM_WORLD : channel_, rc);
+      stage_.store(kFailed);
+      return;
+    }
+    if (!done) {
+      // ULFM may leave the duplicate pending, not failed, when a rank died before
+      // its import: the opening is over as soon as this process knows of a failure
+      // (else a survivor's import would wait its 10 s for it, Finish).
+      if (KnownFailedProcess(MPI_COMM_WORLD)) {
+        failure_ = MpiFailureText(
+            "mpicoll: opening the watchdogs' side channel (a process of COMM_WORLD failed)",
+            MPI_COMM_WORLD, kProcessFailed);
+        stage_.store(kFailed);
+      }
+      return;
+    }
     if (stage == kDuplicating) {
       MPI_Comm_set_name(channel_, "mpicoll:watchdog");
       MPI_Comm_set_errhandler(channel_, MPI_ERRORS_RETURN);
@@ -161,6 +183,12 @@ class SideChannelOpening {
     }
   }
 
+  // Why the opening failed ("" while it has not).
+  std::string Failure() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stage_.load() == kFailed ? failure_ : std::string();
+  }
+
   bool Underway() const {
     const int stage = stage_.load();
     return stage == kDuplicating || stage == kGathering;
@@ -173,6 +201,7 @@ class SideChannelOpening {
   MPI_Request request_ = MPI_REQUEST_NULL;
   ProcessId mine_;
   std::vector<ProcessId> all_;
+  std::string failure_;
 };
 
 inline SideChannelOpening side_channel_opening;
@@ -265,36 +294,46 @@ inline bool CollectingRecords() {
   return comm_world.size.load() <= kCollectRecordsUpTo && flight.capacity.load() > 0;
 }
 
-// Sends this rank's records to `reporter`: its flight folder, then the records.
+// This rank's records as they travel: its flight folder, '\0', its last `last`
+// records per device.
+inline std::string RecordsMessage(const std::string& reason, size_t last) {
+  return FolderOf(flight.flight_dir) + '\0' +
+         RecordsJson(WorldRank(), comm_world.size.load(), reason, Kept::kFlight, last);
+}
+
+// Writes a rank's records received (RecordsMessage) into this rank's folder,
+// unless the sender's own copy is already there (the same folder on a shared
+// or the same file system).
+inline void KeepRecords(int source, const std::string& message) {
+  const size_t end_of_dir = message.find('\0');
+  if (end_of_dir == std::string::npos) return;
+  const std::string dir = FolderOf(flight.flight_dir);
+  const std::string name = "rank" + std::to_string(source) + ".json";
+  if (message.compare(0, end_of_dir, dir) == 0 && WrittenWithin(dir, name, /*seconds=*/30)) {
+    return;
+  }
+  WriteFileAtomically(dir, name, message.substr(end_of_dir + 1));
+}
+
+// Sends this rank's records to `reporter`.
 inline void SendRecords(int reporter, const std::string& reason) {
   if (!CollectingRecords() || reporter == WorldRank()) return;
-  const std::string dir = FolderOf(flight.flight_dir);
-  const std::string json = RecordsJson(WorldRank(), comm_world.size.load(),
-                                       RecentDumpReason(reason), Kept::kFlight, kSentRecords);
-  std::vector<char> bytes(dir.begin(), dir.end());
-  bytes.push_back('\0');
-  bytes.insert(bytes.end(), json.begin(), json.end());
-  SendToRanks(bytes, kRecordsTag, {reporter}, /*wait_ms=*/0);
+  const std::string message = RecordsMessage(RecentDumpReason(reason), kSentRecords);
+  SendToRanks(std::vector<char>(message.begin(), message.end()), kRecordsTag, {reporter},
+              /*wait_ms=*/0);
 }
 
 // Receives the records `from` sends for up to `seconds` (every one, or the
-// time is up) and writes each into this rank's folder, unless the sender's own
-// copy is already there (the same folder on a shared or the same file system).
+// time is up) and keeps each (KeepRecords).
 inline void CollectRecords(std::vector<int> from, double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
-  const std::string dir = FolderOf(flight.flight_dir);
   const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
   while (!from.empty() && NowNs() < deadline) {
     bool any = false;
     ReceiveEach(kRecordsTag, [&](int source, const std::vector<char>& data) {
       any = true;
       from.erase(std::remove(from.begin(), from.end(), source), from.end());
-      const auto end_of_dir = std::find(data.begin(), data.end(), '\0');
-      if (end_of_dir == data.end()) return;
-      const std::string theirs(data.begin(), end_of_dir);
-      const std::string name = "rank" + std::to_string(source) + ".json";
-      if (theirs == dir && WrittenWithin(dir, name, /*seconds=*/30)) return;
-      WriteFileAtomically(dir, name, std::string(end_of_dir + 1, data.end()));
+      KeepRecords(source, std::string(data.begin(), data.end()));
     });
     if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }

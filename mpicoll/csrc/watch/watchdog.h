@@ -43,6 +43,13 @@ namespace mpicoll {
 // their watchdogs take the notice within 50 ms; a rank that cannot answer
 // keeps its records in its own node's folder.
 constexpr double kGatherRecordsWithin = 2.0;
+// An end notice goes to every rank, most of which never receive it (only a
+// rank that waits takes notices): it must stay below the MPIs' eager limit
+// (Open MPI's shared memory: 4 KiB), or an unreceived send would stay pending
+// at MPI_Finalize.  Its records (each device's last few) are left out where
+// even one per device would not fit.
+constexpr size_t kEndNoticeBytes = 4000;
+constexpr size_t kEndNoticeRecords[] = {8, 4, 2, 1};
 
 inline std::vector<char> IntBytes(int value) {
   std::vector<char> bytes(sizeof(int));
@@ -134,7 +141,13 @@ inline void GatherRecords(double seconds) {
   if (!SideChannelUp() || !CollectingRecords()) return;
   std::vector<int> running;
   for (int r = 0; r < comm_world.size.load(); ++r) {
-    if (r != WorldRank() && !ended_ranks.Has(r)) running.push_back(r);
+    RankState ended;
+    if (r == WorldRank()) continue;
+    if (!ended_ranks.Has(r, &ended)) {
+      running.push_back(r);
+    } else if (!ended.records.empty()) {  // it sent its last records with its end notice
+      KeepRecords(r, ended.records);
+    }
   }
   SendToRanks(IntBytes(WorldRank()), kDumpNoticeTag, running, /*wait_ms=*/0);
   CollectRecords(running, seconds);
@@ -342,6 +355,17 @@ inline void AnnounceEnd(int ending, int code, const std::string& where) {
   Copy(mine.head.ended_at, sizeof(mine.head.ended_at), where);
   mine.calls.resize(std::min<size_t>(mine.calls.size(), 8));  // a small, eager message
   mine.head.count = static_cast<int32_t>(mine.calls.size());
+  // Its last few records, for a report another rank writes after this one has
+  // gone: the reporter writes them into its folder (every node may have its
+  // own).  Nothing is written here: a normal end leaves the files as they were.
+  const std::string why = "rank " + std::to_string(WorldRank()) + " " + EndedLine(mine);
+  const size_t without_records = Pack(mine).size();
+  for (size_t last : kEndNoticeRecords) {
+    if (!CollectingRecords()) break;
+    mine.records = RecordsMessage(why, last);
+    if (without_records + mine.records.size() <= kEndNoticeBytes) break;
+    mine.records.clear();
+  }
   SendToEveryRank(Pack(mine), kEndNoticeTag, /*wait_ms=*/ending == kExiting ? 200 : 50);
   if (ending != kExiting) return;
   // The others may be on their way into the collective that waits for this
