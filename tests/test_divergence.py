@@ -92,6 +92,15 @@ def test_a_mismatch_in_shard_map_names_the_lax_call_as_written_and_its_line():
             described = re.search(rf"rank {other}: (jax\.lax[^|]*)", raised[1])
             assert described and described[1].startswith(written.format(block)), raised[1]
             assert re.search(site, described[1]), described[1]
+        # Eagerly, each psum is a program of its own: the same name, and a line of
+        # the user's (the psum's, or where the main thread waits by the time of
+        # the check: JAX dispatches the program asynchronously).
+        raised = re.search(rf"rank {rank}: eagerly raised JaxRuntimeError: (.*)", result.stdout)
+        assert raised and "ranks called different collectives" in raised[1], result.summary()
+        for other, block in ((0, 2), (1, 3)):
+            described = re.search(rf"rank {other}: (jax\.lax[^|]*)", raised[1])
+            assert described and described[1].startswith(written.format(block)), raised[1]
+            assert f"called at {PROGRAM}:" in described[1], described[1]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

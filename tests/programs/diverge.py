@@ -22,7 +22,9 @@ and a broadcast); then the last rank (the "odd" one) departs from the others:
                 per process: the odd rank finishes its script after 2 of 3 psums over
                 the whole mesh (its exit handlers then wait in JAX's shutdown barrier)
   lax-devices   2 CPU devices per rank: a jax.lax.psum over (RANKS, "dev") of f32[4] on
-                every rank, f32[6] on the odd one (each rank prints what it raised)
+                every rank, f32[6] on the odd one, in a jitted shard_map, then in an
+                eager one (each rank prints what it raised, "eagerly raised" for the
+                second)
   never-first   the odd rank finishes its script before the job's first collective
   raise-traced  every rank raises the same error while tracing
   baseline      no divergence (what the others' times to end are measured against)
@@ -101,11 +103,15 @@ if CASE == "lax-devices":
     total = jax.jit(jax.shard_map(
         lambda v: jax.lax.psum(v, (mpicoll.RANKS, "dev")),  # the line the mismatch names
         mesh=mpicoll.mesh("dev"), in_specs=ranks_devices, out_specs=ranks_devices))
+    eager_total = jax.shard_map(  # the same, run eagerly (no jit): each psum its own program
+        lambda v: jax.lax.psum(v, (mpicoll.RANKS, "dev")),
+        mesh=mpicoll.mesh("dev"), in_specs=ranks_devices, out_specs=ranks_devices)
     n = 6 if ODD else 4
-    try:
-        returned(total(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
-    except Exception as error:
-        say(f"raised {type(error).__name__}: " + " | ".join(str(error).splitlines()))
+    for label, run in (("", total), ("eagerly ", eager_total)):
+        try:
+            returned(run(jnp.ones(n)), 2.0 * SIZE * np.ones(n))
+        except Exception as error:
+            say(f"{label}raised {type(error).__name__}: " + " | ".join(str(error).splitlines()))
     sys.exit(0)
 
 if CASE == "never-first":

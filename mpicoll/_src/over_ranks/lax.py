@@ -54,7 +54,8 @@ from . import mesh_groups
 from ..primitive import varying
 from ..runtime import comm as comm_layer
 from ..primitive.dispatch import bind
-from ..primitive.define import WRITTEN_AS_PREFIX
+from .. import users_line_now
+from ..primitive.define import WRITTEN_AS_PREFIX, routed_as
 from ..ops.p2p import PROC_NULL, SENDRECV
 
 RANKS = varying.RANKS
@@ -507,7 +508,8 @@ def _route(name, args, params):
     x, = args
     # Reports and mismatch messages name the collective as written (the scope
     # reaches the lowering of every mpicoll call it becomes, primitive/define.py).
-    with jax.named_scope(_written_as(name, axes, x)):
+    written_as = _written_as(name, axes, x)
+    with jax.named_scope(written_as), routed_as(written_as, users_line_now()):
         return route(x, who, params)
 
 

@@ -10,8 +10,10 @@ evaluation, eager evaluation, the lowering, batching and AD rules.
 (barrier, the receive status, the ranks x devices combine).
 """
 
+import contextlib
 import functools
 import itertools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,24 @@ _call_sites = itertools.count(1)
 # wrote it, where mpicoll runs it in its own calls (over_ranks/lax.py): reports
 # and mismatch messages say both.
 WRITTEN_AS_PREFIX = "jax.lax."
+
+# What a routed jax.lax call binds mpicoll's collectives as, on this thread, while
+# it binds them (over_ranks/lax.py): (the written-as name, the user's line of the
+# call).  Under jit the named_scope carries the name to the lowering; an eager
+# shard_map lowers each collective into a program of its own, inside the bind,
+# where the user's scope and line are no longer in the lowering's name stack and
+# traceback: there this is what names the call.
+_routed = threading.local()
+
+
+@contextlib.contextmanager
+def routed_as(written_as, line):
+    outer = getattr(_routed, "call", None)
+    _routed.call = (written_as, line)
+    try:
+        yield
+    finally:
+        _routed.call = outer
 
 # Set while an eager call compiles its program (dispatch.run_eagerly): JAX caches
 # that program by signature, so its site's source line is the first caller's, and
@@ -85,8 +105,11 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
         # every-call mode (another rank may first call it from another line).
         where = _compat.user_source_line(ctx, PACKAGE_DIR)
         compared = where is not None and not lowering_eagerly[0]
-        where = where or users_line_now()
         written_as = _compat.lowering_scope(ctx, WRITTEN_AS_PREFIX)
+        routed = getattr(_routed, "call", None)
+        if written_as is None and routed is not None:  # lowered inside the routed bind
+            written_as, where = routed[0], routed[1] or where
+        where = where or users_line_now()
         if where or written_as:
             native.extension.describe_site(attributes["site"], where or "", compared,
                                            written_as or "")
