@@ -27,13 +27,37 @@ pytestmark = serial_only
 
 
 @pytest.mark.parametrize("ranks,devices,mode,steps", [
-    (2, 2, "shard_map", 300), (2, 2, "pmap", 300), (2, 2, "global", 300),
+    (2, 2, "shard_map", 200), (2, 2, "pmap", 300), (2, 2, "global", 200),
     (2, 4, "shard_map", 150), (2, 4, "pmap", 150), (3, 2, "global", 100)])
 def test_training_steps_over_ranks_and_devices_never_hang(ranks, devices, mode, steps):
     result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices, mode, steps], timeout=240)
     assert result.returncode == 0, result.summary()
     assert f"SOAK OK ({ranks} ranks x {devices} devices, {mode}, {steps} steps" in \
         result.stdout, result.summary()
+
+
+def _turns(result):
+    """(on XLA's thread, handed off, queued): the job's meeting turns, as printed."""
+    found = re.search(r"turns: (\d+) on XLA's thread, (\d+) handed off, (\d+) queued",
+                      result.stdout)
+    assert found, result.summary()
+    return tuple(int(n) for n in found.groups())
+
+
+@pytest.mark.parametrize("ranks,devices,mode", [(2, 2, "shard_map"), (3, 2, "global")])
+def test_meetings_ended_on_xlas_thread_and_handed_off_alternate_and_never_hang(
+        ranks, devices, mode):
+    # SOAK_JITTER: one participant naps 0-3 ms before some steps' collectives, so
+    # its rank's meeting turns go past the bound on XLA's thread (1 ms) and are
+    # handed to the progress threads, while the other steps' turns end on XLA's
+    # thread: both ways within one job, and within one step.
+    result = run_mpiexec(ranks, [sys.executable, PROGRAM, devices, mode, 150],
+                         env={"SOAK_JITTER": "1"}, timeout=240)
+    assert result.returncode == 0, result.summary()
+    assert f"SOAK OK ({ranks} ranks x {devices} devices, {mode}, 150 steps" in \
+        result.stdout, result.summary()
+    here, handed_off, _ = _turns(result)
+    assert here > 0 and handed_off > 0, result.summary()
 
 
 @pytest.mark.parametrize("ranks,devices,steps", [(2, 2, 300), (2, 4, 150), (3, 2, 100)])
@@ -61,7 +85,8 @@ def test_plain_jit_steps_on_the_jobs_mpi_never_hang(ranks, devices, steps):
 def test_training_steps_under_load():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        result = run_mpiexec(2, [sys.executable, PROGRAM, 2, "shard_map", 200], timeout=240)
+        result = run_mpiexec(2, [sys.executable, PROGRAM, 2, "shard_map", 200], timeout=240,
+                             env={"SOAK_JITTER": "1"})
         sharded = run_mpiexec(2, [sys.executable, PROGRAM.parent / "soak_sharded.py", 2, 200],
                               timeout=240)
         plain = run_mpiexec(2, [sys.executable, PROGRAM.parent / "plain_jit_soak.py", 2, 200],

@@ -453,6 +453,12 @@ PyObject* PauseAfterMismatch(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* MeetingTurnsPy(PyObject*, PyObject*) {
+  const std::array<int64_t, 3> counts = MeetingTurns();
+  return Py_BuildValue("(LLL)", static_cast<long long>(counts[0]),
+                       static_cast<long long>(counts[1]), static_cast<long long>(counts[2]));
+}
+
 PyObject* ComparisonsMade(PyObject*, PyObject*) {
   return PyLong_FromLongLong(comparisons_made.load());
 }
@@ -563,6 +569,9 @@ PyMethodDef methods[] = {
      "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
     {"meeting_kinds", MeetingKinds, METH_NOARGS,
      "Local meeting kind name -> (code, rows_in): meeting/kinds.def's rows."},
+    {"meeting_turns", MeetingTurnsPy, METH_NOARGS,
+     "This process's local meeting turns: (ended on XLA's thread, handed to the progress "
+     "thread past the bound, queued whole)."},
     {"set_gather_pieces", SetGatherPiecesPy, METH_O,
      "The pieces the local meeting's allgather is gathered in (0 = automatic)."},
 #ifdef MPICOLL_CUDA

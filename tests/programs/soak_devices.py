@@ -13,10 +13,19 @@ devices, then mpicoll's per-device allreduce over the ranks): every collective k
 in one program, the mix that hung before issue 43.  Each step's results are
 compared with numpy on every participant's regenerated data (the linear
 leaves exactly; the MLP's gradient against each participant's own gradient
-computed alone, summed by numpy).  Prints "SOAK OK" on success.
+computed alone, summed by numpy).  Prints "SOAK OK" on success, then the
+meeting turns of the job ("turns: H on XLA's thread, O handed off, Q queued").
+
+SOAK_JITTER=1 (shard_map, global): a participant that changes with the step
+naps 0-3 ms (a host callback every collective of its step waits for) before
+the collectives in one step of three, so its rank's meetings alternate between
+turns that end on XLA's thread and turns handed to the progress thread past
+the bound (csrc/meeting/meeting.cc), within one step and across steps.
 """
 
+import os
 import sys
+import time
 
 from _common import fake_cpu_devices, report_and_exit, training_model
 
@@ -32,6 +41,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpicoll  # noqa: E402
 import mpicoll.distributed  # noqa: E402
+import mpicoll._src.runtime.native  # noqa: E402  (the meeting turns)
 
 if MODE == "global":
     mpicoll.distributed.initialize()
@@ -76,9 +86,24 @@ def stacked(step):
     return linear, inputs, more
 
 
+JITTER = os.environ.get("SOAK_JITTER") == "1"
+
+
+def nap(row):
+    """SOAK_JITTER: participant p naps before the collectives of some steps."""
+    p, step = int(row[0]), int(row[1])
+    if step % 3 == 0 and p == step % N:
+        time.sleep(0.001 * (step // 3 % 4))  # 0, 1, 2, 3 ms: around the bound (1 ms)
+    return row
+
+
 def body_lax(axes, params, linear, inputs, gathered, scattered, shifted):
     """One step in jax.lax's vocabulary over `axes` (every participant)."""
     linear = jax.tree.map(lambda a: a[0], linear)
+    if JITTER:  # every collective below waits for the nap (x + 0 * nap)
+        late = jax.pure_callback(nap, jax.ShapeDtypeStruct((2,), jnp.float32), gathered[0])
+        linear = jax.tree.map(lambda a: a + 0 * late[0], linear)
+        gathered, scattered, shifted = (a + 0 * late[0] for a in (gathered, scattered, shifted))
     value, grads = jax.value_and_grad(loss)(params, linear, inputs[0])
     mean = jax.lax.pmean(value, axes)
     everyone = jax.lax.all_gather(gathered[0], axes)
@@ -178,5 +203,10 @@ for step in range(STEPS):
     if failures:
         break
 
+turns = np.sum(MPI.COMM_WORLD.allgather(mpicoll._src.runtime.native.extension.meeting_turns()),
+               axis=0)
+if RANK == 0:
+    print(f"turns: {turns[0]} on XLA's thread, {turns[1]} handed off, {turns[2]} queued",
+          flush=True)
 report_and_exit(failures, f"({SIZE} ranks x {L} devices, {MODE}, {STEPS} steps, "
                 f"leaves up to {LARGEST} B)", verdict="SOAK OK")

@@ -414,6 +414,16 @@ inline int SendrecvWhole(const Call& c, const Chunk&) {
 // rank has arrived, entries/cpu.cc), the device's progress thread waits for
 // the rest.
 constexpr int64_t kArrivalSpinNs = 20000;
+// How long XLA's thread tests whether every rank has arrived before it hands a
+// call that may run there to the progress thread (a sharded array's per-device
+// call, entries/cpu.cc; a local meeting's turn, meeting/meeting.cc, which also
+// bounds each wait for this process's other devices by it).  Any bound keeps
+// the argument (docs/design.md, "Ranks x devices"); this one is long enough for
+// the skew of a balanced job on a machine with no spare core (2 ranks x 2
+// devices on 2 cores, 4 MiB sharded allreduces: 30% of calls handed off at
+// 100 us, 9% at 1 ms), and the test yields, so the late rank's threads get the
+// core meanwhile.
+constexpr int64_t kArrivedHereNs = 1000000;
 constexpr int kArrivalSleepUs = 50;
 
 class Arrival {

@@ -33,8 +33,11 @@ namespace mpicoll_progress {
 
 class ProgressThread {
  public:
-  // Runs `job` after every job queued before it, on this queue's thread.
-  void Enqueue(std::function<void()> job) {
+  // Runs `job` after every job queued before it, on this queue's thread, then
+  // `then` once the job no longer counts as pending: a job completes the future
+  // XLA waits on in `then`, so that the call XLA starts next (the one waiting
+  // for it) finds the queue empty, not still holding the job that released it.
+  void Enqueue(std::function<void()> job, std::function<void()> then = {}) {
     pending_.fetch_add(1, std::memory_order_acq_rel);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -44,7 +47,7 @@ class ProgressThread {
         // exit Python has already waited for every program (effects_barrier).
         std::thread([this] { Loop(); }).detach();
       }
-      jobs_.push_back(std::move(job));
+      jobs_.push_back({std::move(job), std::move(then)});
     }
     ready_.notify_one();
   }
@@ -66,24 +69,30 @@ class ProgressThread {
   void Loop() {
     on_progress_thread_ = true;
     for (;;) {
-      std::function<void()> job;
+      Job job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         ready_.wait(lock, [this] { return !jobs_.empty(); });
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
-      job();
-      // Lock so that a Drain between its check and its wait cannot miss the wake-up.
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) drained_.notify_all();
+      job.run();
+      {
+        // Lock so that a Drain between its check and its wait cannot miss the wake-up.
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) drained_.notify_all();
+      }
+      if (job.then) job.then();
     }
   }
 
   static inline thread_local bool on_progress_thread_ = false;
   std::mutex mutex_;
   std::condition_variable ready_, drained_;
-  std::deque<std::function<void()>> jobs_;
+  struct Job {
+    std::function<void()> run, then;
+  };
+  std::deque<Job> jobs_;
   std::atomic<int64_t> pending_{0};
   bool started_ = false;
 };

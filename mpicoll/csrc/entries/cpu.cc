@@ -75,13 +75,6 @@ ffi::Error CpuFusedEntry(ffi::Token, ffi::RemainingArgs xs, ffi::Result<ffi::Tok
 // that disagree on overlapping a call get the mismatch error, not a hang.
 constexpr const char* kOverlappedSuffix = ", overlapped";
 
-// How long XLA's thread tests whether every rank has arrived before it hands a
-// call that may run here (below) to the progress thread.  Any bound keeps the
-// argument; this one is long enough for the skew of a balanced job on a
-// machine with no spare core (2 ranks x 2 devices on 2 cores, 4 MiB sharded
-// allreduces: 30% of calls handed off at 100 us, 9% at 1 ms), and the test
-// yields, so the late rank's threads get the core meanwhile.
-constexpr int64_t kArrivedHereSpinNs = 1000000;
 
 // Point-to-point calls have only two ranks in a message: no barrier over the
 // communicator before them.
@@ -107,7 +100,7 @@ struct FinishArrival {
 //
 // here_once_arrived = 1 (each device's call on its shard of a sharded array,
 // where the point is that no XLA thread waits for a rank, not overlap): XLA's
-// thread starts the arrival barrier and tests it for up to kArrivedHereSpinNs.
+// thread starts the arrival barrier and tests it for up to kArrivedHereNs.
 // If every rank has arrived, it runs the call itself: each peer is inside the
 // same call and moves its data at once, waiting on nothing of XLA's, so this
 // thread waits for the transfer only.  Otherwise the progress thread finishes
@@ -132,7 +125,7 @@ ffi::Future RunOverlapped(const Call& c, int32_t device, int64_t here_once_arriv
   }
   auto arrival = std::make_shared<Arrival>();
   arrival->Start(c);
-  if (arrival->Within(kArrivedHereSpinNs)) return CompletedFuture(run(FinishArrival{arrival}));
+  if (arrival->Within(kArrivedHereNs)) return CompletedFuture(run(FinishArrival{arrival}));
   return Overlap(device, [run, arrival]() mutable { return run(FinishArrival{arrival}); });
 }
 

@@ -5,12 +5,13 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
-
-#include <optional>
 
 #include "../engine/comm_table.h"
 #include "../engine/execute.h"
@@ -105,14 +106,16 @@ template <typename Run>
 ffi::Future Overlap(int32_t device, Run&& run) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
-    ffi::Error err = run();
-    if (err.failure()) {
-      promise.SetError(std::move(err));
-    } else {
-      promise.SetAvailable();
-    }
-  });
+  auto outcome = std::make_shared<ffi::Error>(ffi::Error::Success());
+  progress_threads[device].Enqueue(
+      [outcome, run = std::forward<Run>(run)]() mutable { *outcome = run(); },
+      [promise, outcome]() mutable {  // once the queue no longer counts the job
+        if (outcome->failure()) {
+          promise.SetError(std::move(*outcome));
+        } else {
+          promise.SetAvailable();
+        }
+      });
   return future;
 }
 
@@ -124,6 +127,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(BarrierHandler);
 // the pieces its allgather is gathered in (MPICOLL_GATHER_PIECES; 0 = automatic).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuLocalMeeting);
 void SetGatherPieces(int pieces);
+// This process's meeting turns so far: (ended on XLA's thread, handed to the
+// progress thread, queued whole).
+std::array<int64_t, 3> MeetingTurns();
 
 // entries/host_staged.cc: the GPU staging pipeline on host memory, for tests.
 // Runs collective `name` (a rank-block one) on `comm` from `in` to `out`

@@ -41,14 +41,27 @@ struct LeadCall {
       : turn(t), c(t.c), row(t.g.row_bytes / t.c.elem_bytes), L(t.g.local), P(t.g.ranks) {
     memory.advise_huge_pages = false;
   }
+  // On XLA's thread (turn.gate->here) the call may hand itself off instead of
+  // running (gate->handed_off, nothing called but the barrier's start): a Lead
+  // is run again whole on the progress thread, so it must not change what it
+  // computes the call from before this returns.
   template <typename Op, typename Memory>
   ffi::Error Run(Memory& with, const char* described_as) {
-    return Execute<Op>(c, turn.device, with, [this, described_as] {
+    auto describe = [this, described_as] {
       Call named = c;
       named.name = described_as;
       return Describe(named, named.dtype, turn.dims, Op::kReduces, Op::kRooted) + ", over " +
              std::to_string(L) + " local devices";
-    });
+    };
+    LeadGate& gate = *turn.gate;
+    if (gate.here) {
+      if (PlanCheck(c, turn.device, describe).check ||
+          (gate.arrival.Start(c), gate.started = true, !gate.arrival.Within(std::max<int64_t>(0, gate.deadline - NowNs())))) {
+        gate.handed_off = true;
+        return ffi::Error::Success();
+      }
+    }
+    return Execute<Op>(c, turn.device, with, describe, gate);
   }
   template <typename Op>
   ffi::Error Run(const char* described_as) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -125,39 +126,33 @@ LocalMeeting& MeetingFor(int64_t comm_slot, int64_t group) {
 
 // allgather, on a device other than the leader: copies every piece of the
 // leader's output as it lands, until the leader publishes the call's end
-// (called and returning with the lock held).
-void CopyGathered(LocalMeeting& m, const Meeting& g, std::unique_lock<std::mutex>& lock,
-                  uint64_t generation, char* output, size_t elem_bytes) {
+// (called and returning with the lock held); *copied: the bytes of every rank
+// block copied so far.  Whether it ended by `deadline`.
+bool CopyGathered(LocalMeeting& m, const Meeting& g, std::unique_lock<std::mutex>& lock,
+                  uint64_t generation, char* output, size_t elem_bytes, size_t* copied,
+                  int64_t deadline) {
   const size_t block = static_cast<size_t>(g.local) * g.row_bytes;  // bytes per rank
-  size_t copied = 0;  // bytes of every rank block
   for (;;) {
-    AwaitLocal(m, lock, [&] {
-      return m.gathered.load() * elem_bytes > copied || m.generation.load() != generation;
-    });
+    if (!AwaitLocal(m, lock, [&] {
+          return m.gathered.load() * elem_bytes > *copied || m.generation.load() != generation;
+        }, deadline)) {
+      return false;
+    }
     // The end first: once it is published, so is every piece before it.
     const bool ended = m.generation.load() != generation;
     const size_t upto = m.gathered.load() * elem_bytes;
-    if (upto > copied) {
+    if (upto > *copied) {
       lock.unlock();
       for (int r = 0; r < g.ranks; ++r) {
-        const size_t at = r * block + copied;
-        std::memcpy(output + at, g.gathered + at, upto - copied);
+        const size_t at = r * block + *copied;
+        std::memcpy(output + at, g.gathered + at, upto - *copied);
       }
       lock.lock();
-      copied = upto;
+      *copied = upto;
     }
-    if (ended) return;
+    if (ended) return true;
   }
 }
-
-// What a queued meeting call keeps of XLA's call frame.
-struct MeetingCall {
-  Call c{};
-  Meeting g{};
-  std::vector<int64_t> dims, pairs;
-  LocalMeeting* meeting = nullptr;
-  std::string devices;  // "0,1": the devices that meet, until the meeting has its identity
-};
 
 // The meeting's own flight record on each device, from its arrival to its
 // return: sequence N on "<communicator>:meeting of devices 0,1" is the N-th
@@ -202,122 +197,218 @@ struct MeetingRecord {
   }
 };
 
-// One device's part of a meeting, on its progress thread.
-ffi::Error RunMeeting(MeetingCall& call, int32_t device, int64_t op, size_t in_bytes,
-                      size_t out_bytes) {
+// How this process's turns went (meeting_turns(), for tests and benchmarks):
+// ended on XLA's thread, handed to the progress thread past the bound, queued
+// whole.
+struct TurnCounts {
+  std::atomic<int64_t> here{0}, handed_off{0}, queued{0};
+};
+TurnCounts turns;
+
+// Where one device's turn in a meeting stands (Advance).
+enum class Step { kArrive, kAwaitArrivals, kPack, kAwaitPacked, kLead, kAwaitEnd, kCopyGathered,
+                  kTakeOut, kAwaitCopies, kDone };
+
+// One device's turn in one call: what it keeps of XLA's call frame (which does
+// not outlive the handler), and how far the turn has come.
+struct MeetingCall {
+  Call c{};
+  Meeting g{};
+  std::vector<int64_t> dims, pairs;
+  LocalMeeting* meeting = nullptr;
+  std::string devices;  // "0,1": the devices that meet, until the meeting has its identity
+  int32_t device = 0;
+  int64_t op = 0;
+  size_t in_bytes = 0, out_bytes = 0;
+  Step step = Step::kArrive;
+  uint64_t generation = 0;     // the meeting's calls completed when this one began
+  size_t gathered_copied = 0;  // allgather, not the leader: bytes copied (CopyGathered)
+  int others = 0;
+  LeadGate gate;
+  std::optional<MeetingRecord> recorded;
+  ffi::Error result = ffi::Error::Success();
+};
+
+// Runs one device's turn until it is done (true, the outcome in call.result) or
+// until a wait would pass `deadline` (false: where it stands is kept in `call`,
+// and a later Advance goes on from there).  With kNoDeadline it runs to the end.
+//
+// So a turn starts on XLA's thread and, past the bound, ends on the device's
+// progress thread (CpuLocalMeetingEntry): each step waits only for this
+// process's other devices (bounded by `deadline`) or, in the leader's MPI call,
+// for the other ranks' leaders, which on XLA's thread happens only once they
+// have all arrived (LeadGate).  Every step is the same whichever thread runs it.
+bool Advance(MeetingCall& call, int64_t deadline) {
   Call& c = call.c;
   Meeting& g = call.g;
   const int64_t kind = g.kind, local = g.local;
+  const int32_t device = call.device;
   const ffi::Span<const int64_t> dims(call.dims);
   LocalMeeting& m = *call.meeting;
-  MeetingRecord recorded(m, c, device, call.devices);
-  const Turn turn{m, c, g, device, dims};
+  if (!call.recorded) call.recorded.emplace(m, c, device, call.devices);
+  const Turn turn{m, c, g, device, dims, &call.gate};
+  Call waiting = c;  // reports.h: WaitInsideCall says what it waits for
   std::unique_lock<std::mutex> lock(m.mutex);
-  const uint64_t generation = m.generation.load();
-  const int index = m.arrived.load();
-  if (index == 0) {
-    m.expected = static_cast<int>(local);
-    m.bytes = in_bytes;
-    m.kind = kind;
-    m.dtype = c.dtype;
-    m.op = op;
-    m.mismatch.clear();
-  } else if (m.expected != local || m.bytes != in_bytes || m.kind != kind ||
-             m.dtype != c.dtype || m.op != op) {
-    m.mismatch = std::string("mpicoll.") + c.name +
-                 ": the local devices called different collectives on one communicator at "
-                 "once (local device " + std::to_string(device) + ")";
-  }
-  m.inputs[index] = c.in;
-  m.outputs[index] = c.out;
-  m.devices[index] = device;
-  if (index + 1 == m.expected) {
-    // Every thread of the previous call has arrived here, so none still reads
-    // its error or buffers.  The arrivals go in device order, the leader first.
-    m.error.clear();
-    m.gathered.store(0);
-    if (m.mismatch.empty()) {
-      WithKind(kind, [&](auto k) { decltype(k)::Size(m, g, in_bytes); });
-    }
-    std::tuple<int32_t, const char*, char*> arrivals[kMaxLocalDevices];
-    for (int i = 0; i < m.expected; ++i) arrivals[i] = {m.devices[i], m.inputs[i], m.outputs[i]};
-    std::sort(arrivals, arrivals + m.expected);
-    for (int i = 0; i < m.expected; ++i) {
-      std::tie(m.devices[i], m.inputs[i], m.outputs[i]) = arrivals[i];
-    }
-  }
-  m.arrived.store(index + 1);
-  m.changed.notify_all();
-  Call waiting = c;
-  waiting.name = c.name;  // reports.h: WaitInsideCall says what it waits for
-  {
-    InFlightScope watched(waiting, device, /*new_call=*/false);
-    AwaitLocal(m, lock, [&] {
-      return m.arrived.load() == m.expected || m.generation.load() != generation;
-    });
-  }
-  if (m.generation.load() == generation) {  // everyone is here, nobody has published yet
-    const int32_t leader = m.devices[0];
-    g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
-    g.gathered = m.outputs[0];  // read now: the next call's arrivals rewrite m.outputs
-    std::string failed = m.mismatch;
-    if (failed.empty()) {
-      lock.unlock();
-      ffi::Error err = WithKind(kind, [&](auto k) { return decltype(k)::Pack(turn); });
-      lock.lock();
-      if (err.failure()) failed = std::string(err.message());
-    }
-    if (!failed.empty() && m.error.empty()) m.error = failed;
-    m.packed.store(m.packed.load() + 1);
-    m.changed.notify_all();
-    if (device == leader) {
-      {
+  for (;;) {
+    switch (call.step) {
+      case Step::kArrive: {
+        call.generation = m.generation.load();
+        const int index = m.arrived.load();
+        if (index == 0) {
+          m.expected = static_cast<int>(local);
+          m.bytes = call.in_bytes;
+          m.kind = kind;
+          m.dtype = c.dtype;
+          m.op = call.op;
+          m.mismatch.clear();
+        } else if (m.expected != local || m.bytes != call.in_bytes || m.kind != kind ||
+                   m.dtype != c.dtype || m.op != call.op) {
+          m.mismatch = std::string("mpicoll.") + c.name +
+                       ": the local devices called different collectives on one communicator "
+                       "at once (local device " + std::to_string(device) + ")";
+        }
+        m.inputs[index] = c.in;
+        m.outputs[index] = c.out;
+        m.devices[index] = device;
+        if (index + 1 == m.expected) {
+          // Every thread of the previous call has arrived here, so none still
+          // reads its error or buffers.  The arrivals go in device order, the
+          // leader first.
+          m.error.clear();
+          m.gathered.store(0);
+          if (m.mismatch.empty()) {
+            WithKind(kind, [&](auto k) { decltype(k)::Size(m, g, call.in_bytes); });
+          }
+          std::tuple<int32_t, const char*, char*> arrivals[kMaxLocalDevices];
+          for (int i = 0; i < m.expected; ++i) {
+            arrivals[i] = {m.devices[i], m.inputs[i], m.outputs[i]};
+          }
+          std::sort(arrivals, arrivals + m.expected);
+          for (int i = 0; i < m.expected; ++i) {
+            std::tie(m.devices[i], m.inputs[i], m.outputs[i]) = arrivals[i];
+          }
+        }
+        m.arrived.store(index + 1);
+        m.changed.notify_all();
+        call.step = Step::kAwaitArrivals;
+        break;
+      }
+      case Step::kAwaitArrivals: {
         InFlightScope watched(waiting, device, /*new_call=*/false);
-        AwaitLocal(m, lock, [&] { return m.packed.load() == m.expected; });
+        if (!AwaitLocal(m, lock, [&] {
+              return m.arrived.load() == m.expected || m.generation.load() != call.generation;
+            }, deadline)) {
+          return false;
+        }
+        g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) -
+                                  m.devices);
+        // (The leader publishes only after every device has packed, so the call
+        // cannot be over yet; kept as the one safe way out if it were.)
+        call.step = m.generation.load() == call.generation ? Step::kPack : Step::kTakeOut;
+        break;
       }
-      if (m.error.empty()) {
+      case Step::kPack: {
+        g.gathered = m.outputs[0];  // read now: the next call's arrivals rewrite m.outputs
+        std::string failed = m.mismatch;
+        if (failed.empty()) {
+          lock.unlock();
+          ffi::Error err = WithKind(kind, [&](auto k) { return decltype(k)::Pack(turn); });
+          lock.lock();
+          if (err.failure()) failed = std::string(err.message());
+        }
+        if (!failed.empty() && m.error.empty()) m.error = failed;
+        m.packed.store(m.packed.load() + 1);
+        m.changed.notify_all();
+        call.step = g.part == 0                ? Step::kAwaitPacked
+                    : kind == kMeetAllgather ? Step::kCopyGathered
+                                             : Step::kAwaitEnd;
+        break;
+      }
+      case Step::kAwaitPacked: {  // the leader
+        InFlightScope watched(waiting, device, /*new_call=*/false);
+        if (!AwaitLocal(m, lock, [&] { return m.packed.load() == m.expected; }, deadline)) {
+          return false;
+        }
+        call.step = Step::kLead;
+        break;
+      }
+      case Step::kLead: {
+        if (m.error.empty()) {
+          lock.unlock();
+          ffi::Error err = WithKind(kind, [&](auto k) { return decltype(k)::Lead(turn); });
+          lock.lock();
+          if (call.gate.handed_off) {  // nothing ran but the barrier's start: the progress
+            call.gate.handed_off = false;  // thread leads
+            call.gate.here = false;
+            return false;
+          }
+          if (err.failure()) m.error = std::string(err.message());
+        }
+        m.packed.store(0);
+        m.arrived.store(0);
+        m.generation.store(call.generation + 1);
+        m.changed.notify_all();
+        call.step = Step::kTakeOut;
+        break;
+      }
+      case Step::kAwaitEnd: {
+        InFlightScope watched(waiting, device, /*new_call=*/false);
+        if (!AwaitLocal(m, lock, [&] { return m.generation.load() != call.generation; },
+                        deadline)) {
+          return false;
+        }
+        call.step = Step::kTakeOut;
+        break;
+      }
+      case Step::kCopyGathered: {
+        InFlightScope watched(waiting, device, /*new_call=*/false);
+        if (!CopyGathered(m, g, lock, call.generation, c.out, c.elem_bytes,
+                          &call.gathered_copied, deadline)) {
+          return false;
+        }
+        call.step = Step::kTakeOut;
+        break;
+      }
+      case Step::kTakeOut: {
+        // Until this thread arrives at the next call, nobody writes the buffers
+        // or m.error.
+        const std::string error = m.error;
+        call.others = m.expected - 1;
+        call.step = Step::kDone;
+        if (!error.empty()) {
+          call.recorded->failed = true;
+          call.result = ffi::Error::Internal(error);
+          break;
+        }
         lock.unlock();
-        ffi::Error err = WithKind(kind, [&](auto k) { return decltype(k)::Lead(turn); });
+        WithKind(kind, [&](auto k) { decltype(k)::Unpack(turn, call.out_bytes); });
         lock.lock();
-        if (err.failure()) m.error = std::string(err.message());
+        if (kind == kMeetAllgather && call.others > 0) {
+          // The others copy from the leader's output: it stays XLA's until they have.
+          if (g.part != 0) {
+            m.copied.store(m.copied.load() + 1);
+            m.changed.notify_all();
+          } else {
+            call.step = Step::kAwaitCopies;
+          }
+        }
+        break;
       }
-      m.packed.store(0);
-      m.arrived.store(0);
-      m.generation.store(generation + 1);
-      m.changed.notify_all();
-    } else {
-      InFlightScope watched(waiting, device, /*new_call=*/false);
-      if (kind == kMeetAllgather) {
-        CopyGathered(m, g, lock, generation, c.out, c.elem_bytes);
-      } else {
-        AwaitLocal(m, lock, [&] { return m.generation.load() != generation; });
+      case Step::kAwaitCopies: {  // the leader of an allgather
+        InFlightScope watched(waiting, device, /*new_call=*/false);
+        if (!AwaitLocal(m, lock, [&] { return m.copied.load() == call.others; }, deadline)) {
+          return false;
+        }
+        m.copied.store(0);  // before the leader's next call, so before anyone's next copy
+        call.step = Step::kDone;
+        break;
       }
-    }
-  } else {
-    g.part = static_cast<int>(std::find(m.devices, m.devices + m.expected, device) - m.devices);
-  }
-  // Until this thread arrives at the next call, nobody writes the buffers or m.error.
-  const std::string error = m.error;
-  const int others = m.expected - 1;
-  lock.unlock();
-  if (!error.empty()) {
-    recorded.failed = true;
-    return ffi::Error::Internal(error);
-  }
-  WithKind(kind, [&](auto k) { decltype(k)::Unpack(turn, out_bytes); });
-  if (kind == kMeetAllgather && others > 0) {
-    // The others copy from the leader's output: it stays XLA's until they have.
-    lock.lock();
-    if (g.part != 0) {
-      m.copied.store(m.copied.load() + 1);
-      m.changed.notify_all();
-    } else {
-      InFlightScope watched(waiting, device, /*new_call=*/false);
-      AwaitLocal(m, lock, [&] { return m.copied.load() == others; });
-      m.copied.store(0);  // before the leader's next call, so before anyone's next copy
+      case Step::kDone:
+        lock.unlock();
+        call.recorded.reset();  // the flight record and the summary's count end here
+        return true;
     }
   }
-  return ffi::Error::Success();
 }
 
 
@@ -368,18 +459,47 @@ ffi::Future CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::
       call->devices += (call->devices.empty() ? "" : ",") + std::to_string(d);
     }
   }
-  // The meeting runs on the device's progress thread (engine/progress.h), in this
-  // device's program order after its queued calls, and XLA holds none of its
-  // own threads while the devices wait for each other: a device still
-  // computing toward the meeting has XLA's threads to do it with (issue 43).
-  return Overlap(device, [call, device, op, in_bytes, out_bytes] {
-    return RunMeeting(*call, device, op, in_bytes, out_bytes);
+  call->device = device;
+  call->op = op;
+  call->in_bytes = in_bytes;
+  call->out_bytes = out_bytes;
+  // The turn starts on XLA's thread, each wait bounded by kArrivedHereNs, and
+  // where the devices and ranks are all there it ends there (no hop: a balanced
+  // job's small collectives); past the bound it goes on on the device's progress
+  // thread (engine/progress.h), so XLA holds none of its own threads while the
+  // devices wait for each other or for a late rank (docs/design.md, "Ranks x
+  // devices").  Queued whole instead: a call while the device's queue holds an
+  // earlier one (it must not overtake it), the split allreduce (each device's
+  // own MPI call while packing, no barrier before it), and where MPI runs
+  // serialized (one MPI call at a time: nothing may wait on XLA's thread
+  // beside it).
+  if (progress_threads[device].Pending() == 0 && !call->g.split &&
+      !serialized_mpi.on.load(std::memory_order_relaxed)) {
+    call->gate.here = true;
+    call->gate.deadline = NowNs() + kArrivedHereNs;
+    if (Advance(*call, call->gate.deadline)) {
+      turns.here.fetch_add(1, std::memory_order_relaxed);
+      return CompletedFuture(call->result);
+    }
+    call->gate.here = false;
+    turns.handed_off.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    turns.queued.fetch_add(1, std::memory_order_relaxed);
+  }
+  return Overlap(device, [call] {
+    Advance(*call, kNoDeadline);
+    return call->result;
   });
 }
 }  // namespace
 }  // namespace meeting
 
 void SetGatherPieces(int pieces) { meeting::gather_pieces_asked.store(pieces); }
+
+std::array<int64_t, 3> MeetingTurns() {
+  return {meeting::turns.here.load(), meeting::turns.handed_off.load(),
+          meeting::turns.queued.load()};
+}
 
 // A collective whose local devices meet in this process (CPU only; see above).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuLocalMeeting, meeting::CpuLocalMeetingEntry,

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "../engine/algorithms.h"
 #include "../engine/call.h"
 #include "../engine/comm_table.h"
 #include "../watch/flight.h"
@@ -71,14 +74,39 @@ struct Meeting {
   const char* gathered = nullptr;  // allgather: the leader's output, every row in it
 };
 
+// How the leader's MPI call waits for the other ranks' leaders (kinds.h,
+// LeadCall::Run): every leader of every meeting passes an arrival barrier on its
+// communicator between the call's check across ranks and the collective, on
+// whichever thread it runs, so the ranks' MPI calls match whichever way each took.
+//
+// here: the turn runs on XLA's thread (meeting.cc, Advance), where no thread may
+// wait for a rank that has not arrived: the leader's call runs there only when
+// no check is due (a check waits for every rank) and the barrier completes
+// within the bound; else the turn is handed to the progress thread
+// (handed_off), which finishes the barrier started here and runs the call.
+struct LeadGate {
+  bool here = false;
+  int64_t deadline = 0;  // here: the turn's bound (NowNs)
+  bool handed_off = false;
+  bool started = false;
+  Arrival arrival;
+  // Execute's before_run: the barrier, started here unless it was already.
+  int operator()(const Call& c) {
+    if (!started) arrival.Start(c), started = true;
+    return arrival.Wait();
+  }
+};
+
 // One device's turn in one call: the shared state, this device's own call
-// (its input, output and communicator), the call, and the input's shape.
+// (its input, output and communicator), the call, the input's shape, and how
+// the leader's MPI call waits for the other ranks.
 struct Turn {
   LocalMeeting& m;
   const Call& c;
   const Meeting& g;
   int32_t device;
   ffi::Span<const int64_t> dims;
+  LeadGate* gate;
 };
 
 // The cores this process may run on (its affinity mask).
@@ -98,17 +126,28 @@ inline int CoresHere() {
 // 236-269 us with, 210-218 without.
 inline constexpr int64_t kLocalSpinNs = 50000;
 
-// Waits (spin where cores allow, then sleep) until ready() holds; ready reads atomics only.
+// No bound on a wait: the turn runs on the device's progress thread.
+inline constexpr int64_t kNoDeadline = INT64_MAX;
+
+// Waits (spin where cores allow, then sleep) until ready() holds, or until the
+// steady clock reads `deadline` (NowNs): whether ready() holds.  ready reads
+// atomics only.
 template <typename Ready>
-inline void AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready) {
-  if (ready()) return;
+inline bool AwaitLocal(LocalMeeting& m, std::unique_lock<std::mutex>& lock, Ready&& ready,
+                       int64_t deadline = kNoDeadline) {
+  if (ready()) return true;
   if (CoresHere() >= 2 * m.expected) {
     lock.unlock();
-    const int64_t spin_until = NowNs() + kLocalSpinNs;
+    const int64_t spin_until = std::min(deadline, NowNs() + kLocalSpinNs);
     while (!ready() && NowNs() < spin_until) std::this_thread::yield();
     lock.lock();
   }
-  m.changed.wait(lock, ready);
+  if (deadline == kNoDeadline) {
+    m.changed.wait(lock, ready);
+    return true;
+  }
+  const auto until = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline));
+  return m.changed.wait_until(lock, until, ready);
 }
 
 // The element range [begin, end) of slice `part` of `count` elements over `local` devices.
