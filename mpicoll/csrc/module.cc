@@ -108,6 +108,20 @@ PyObject* Initialize(PyObject*, PyObject*) {
   return PyLong_FromLong(provided);
 }
 
+// (key, bool): whether the communicator's local meetings start their turns on
+// XLA's thread (engine/comm_table.h), the same on each of its ranks.
+PyObject* SetMeetingsStartHere(PyObject*, PyObject* args) {
+  long long key;
+  int here;
+  if (!PyArg_ParseTuple(args, "Lp", &key, &here)) return nullptr;
+  if (key < 0) {
+    PyErr_SetString(PyExc_ValueError, "mpicoll: communicator key out of range");
+    return nullptr;
+  }
+  meetings_start_here[key % kMaxComms].store(here != 0, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
 PyObject* RegisterComm(PyObject*, PyObject* args) {
   long long key;
   int device;
@@ -581,6 +595,9 @@ PyMethodDef methods[] = {
 #endif
     {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
     {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"set_meetings_start_here", SetMeetingsStartHere, METH_VARARGS,
+     "(key, here): whether the communicator's local meetings start their turns on XLA's "
+     "thread (its ranks agreed)."},
     {"set_device_ordinals", SetDeviceOrdinalsPy, METH_O,
      "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
     {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},

@@ -151,9 +151,10 @@ def _register(comm, caller):
                 # Every member makes the first duplicate; whether they make the
                 # same number of others is settled on it, before they do.
                 faults._test_kill_at("layout")
-                _agree_on_layout(dup, comm, caller, local_devices, members, per_device)
+                here = _agree_on_layout(dup, comm, caller, local_devices, members, per_device)
             faults._test_kill_at("register")
             extension.register_comm(slot, device, dup.handle)
+        extension.set_meetings_start_here(slot, here)
         _open_side_channel(comm)
     except (MPI.Exception, RuntimeError) as error:
         # A rank lost now is a lost rank like one lost in a collective: RankLost on
@@ -181,17 +182,38 @@ def _register(comm, caller):
 _world_hosts = ()  # COMM_WORLD's ranks' hosts, once it has been set up
 
 
+def _meetings_may_start_here(local_devices):
+    """Whether this process's local meetings may start each device's turn on XLA's
+    thread (csrc/meeting/meeting.cc): where it has two cores per local device
+    (its affinity mask).  With fewer, a turn on XLA's thread costs more than the
+    hop to the progress thread it saves (2 cores, 2 ranks x 2 devices: a jitted
+    loop of 4 KiB psums over (RANKS, "dev") 47-79 us per psum with every turn on
+    XLA's thread, 36-41 us on the progress threads), and the leaders' arrival
+    barrier that the fast way needs is not paid.  MPICOLL_TEST_MEETING_HERE=1
+    allows it whatever the cores (the soak tests of that way)."""
+    if os.environ.get("MPICOLL_TEST_MEETING_HERE") == "1":
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local_devices > 1 and cores >= 2 * local_devices
+
+
 def _agree_on_layout(first, comm, caller, local_devices, members, made):
     """Raise on every member alike where their local device counts differ: each
     device talks on its own duplicate, so unequal counts could never match (one
-    small allgather, once per communicator)."""
+    small allgather, once per communicator).  Else whether the communicator's
+    local meetings start their turns on XLA's thread: where every member may
+    (_meetings_may_start_here), so that the members agree."""
     global _world_hosts
-    layouts = first.allgather((local_devices, MPI.Get_processor_name()))
+    layouts = first.allgather((local_devices, MPI.Get_processor_name(),
+                               _meetings_may_start_here(local_devices)))
     if MPI.Comm.Compare(comm, MPI.COMM_WORLD) == MPI.IDENT:
-        _world_hosts = tuple(host for _, host in layouts)
-    counts = [count for count, _ in layouts]
+        _world_hosts = tuple(host for _, host, _ in layouts)
+    counts = [count for count, _, _ in layouts]
     if len(set(counts)) == 1:
-        return
+        return all(may for _, _, may in layouts)
     for dup in made:
         dup.Free()
     raise RuntimeError(f"mpicoll.{caller}: the ranks' layouts cannot match: "

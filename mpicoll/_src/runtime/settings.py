@@ -241,6 +241,8 @@ OTHER_VARIABLES = {
                          "(moment@rank/recoveries,...)",
     "MPICOLL_TEST_KILL_LOG": "tests/programs/survive_moments.py: where each test kill is logged",
     "MPICOLL_TEST_OTHER_LIBMPI": "tests/test_build.py: another MPI library to load",
+    "MPICOLL_TEST_MEETING_HERE": "csrc/meeting/meeting.cc: meeting turns start on XLA's "
+                                 "thread whatever the cores (1)",
     "MPICOLL_MATMUL_N": "examples/batched_matmul.py: the matrices' size",
     "MPICOLL_MATMUL_BATCH": "examples/batched_matmul.py: the batch",
     "MPICOLL_MATMUL_REPEATS": "examples/batched_matmul.py: the timed repeats",

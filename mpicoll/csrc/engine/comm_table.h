@@ -43,6 +43,11 @@ struct CommRow {
   DeviceComm devices[kMaxLocalDevices];
 };
 inline std::atomic<CommRow*> comm_table[kMaxComms];
+// Whether a communicator's local meetings start their turns on XLA's thread
+// (meeting/meeting.cc), by slot: agreed by its ranks when it is registered
+// (runtime/comm.py), since where turns may start there, every leader passes an
+// arrival barrier before its MPI call, and the ranks must all do so or none.
+inline std::atomic<bool> meetings_start_here[kMaxComms];
 
 inline const DeviceComm* LookupComm(int64_t key, int32_t device) {
   if (key < 0 || device < 0 || device >= kMaxLocalDevices) return nullptr;

@@ -106,16 +106,14 @@ template <typename Run>
 ffi::Future Overlap(int32_t device, Run&& run) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  auto outcome = std::make_shared<ffi::Error>(ffi::Error::Success());
-  progress_threads[device].Enqueue(
-      [outcome, run = std::forward<Run>(run)]() mutable { *outcome = run(); },
-      [promise, outcome]() mutable {  // once the queue no longer counts the job
-        if (outcome->failure()) {
-          promise.SetError(std::move(*outcome));
-        } else {
-          promise.SetAvailable();
-        }
-      });
+  progress_threads[device].Enqueue([promise, run = std::forward<Run>(run)]() mutable {
+    ffi::Error err = run();
+    if (err.failure()) {
+      promise.SetError(std::move(err));
+    } else {
+      promise.SetAvailable();
+    }
+  });
   return future;
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -463,18 +464,19 @@ ffi::Future CpuLocalMeetingEntry(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::
   call->op = op;
   call->in_bytes = in_bytes;
   call->out_bytes = out_bytes;
-  // The turn starts on XLA's thread, each wait bounded by kArrivedHereNs, and
-  // where the devices and ranks are all there it ends there (no hop: a balanced
-  // job's small collectives); past the bound it goes on on the device's progress
-  // thread (engine/progress.h), so XLA holds none of its own threads while the
-  // devices wait for each other or for a late rank (docs/design.md, "Ranks x
-  // devices").  Queued whole instead: a call while the device's queue holds an
-  // earlier one (it must not overtake it), the split allreduce (each device's
-  // own MPI call while packing, no barrier before it), and where MPI runs
-  // serialized (one MPI call at a time: nothing may wait on XLA's thread
-  // beside it).
-  if (progress_threads[device].Pending() == 0 && !call->g.split &&
-      !serialized_mpi.on.load(std::memory_order_relaxed)) {
+  // Where the ranks agreed (meetings_start_here: runtime/comm.py), the turn starts on XLA's thread,
+  // each wait bounded by kArrivedHereNs, and where the devices and ranks are all
+  // there it ends there (no hop: a balanced job's small collectives); past the
+  // bound it goes on on the device's progress thread (engine/progress.h), so XLA
+  // holds none of its own threads while the devices wait for each other or for
+  // a late rank (docs/design.md, "Ranks x devices").  Queued whole instead: a
+  // call while the device's queue holds an earlier one (it must not overtake
+  // it), the split allreduce (each device's own MPI call while packing, no
+  // barrier before it), and where MPI runs serialized (one MPI call at a time:
+  // nothing may wait on XLA's thread beside it).
+  call->gate.barrier = meetings_start_here[comm_slot % kMaxComms].load(std::memory_order_acquire);
+  if (call->gate.barrier && progress_threads[device].Pending() == 0 &&
+      !call->g.split && !serialized_mpi.on.load(std::memory_order_relaxed)) {
     call->gate.here = true;
     call->gate.deadline = NowNs() + kArrivedHereNs;
     if (Advance(*call, call->gate.deadline)) {

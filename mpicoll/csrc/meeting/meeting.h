@@ -75,7 +75,8 @@ struct Meeting {
 };
 
 // How the leader's MPI call waits for the other ranks' leaders (kinds.h,
-// LeadCall::Run): every leader of every meeting passes an arrival barrier on its
+// LeadCall::Run): on a communicator whose turns may start on XLA's thread
+// (barrier), every leader of every meeting passes an arrival barrier on its
 // communicator between the call's check across ranks and the collective, on
 // whichever thread it runs, so the ranks' MPI calls match whichever way each took.
 //
@@ -85,6 +86,7 @@ struct Meeting {
 // within the bound; else the turn is handed to the progress thread
 // (handed_off), which finishes the barrier started here and runs the call.
 struct LeadGate {
+  bool barrier = false;  // the communicator's turns may start on XLA's thread
   bool here = false;
   int64_t deadline = 0;  // here: the turn's bound (NowNs)
   bool handed_off = false;
@@ -92,6 +94,7 @@ struct LeadGate {
   Arrival arrival;
   // Execute's before_run: the barrier, started here unless it was already.
   int operator()(const Call& c) {
+    if (!barrier) return MPI_SUCCESS;  // no leader of this communicator's meetings runs here
     if (!started) arrival.Start(c), started = true;
     return arrival.Wait();
   }
