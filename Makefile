@@ -3,6 +3,10 @@
 #
 #   make install                 venv + dependencies + editable mpicoll (quick when up to date)
 #   make test                    pytest serially, then under mpiexec -n 2, 3, 4
+#   make test-quick              the edit-run loop: the collectives, their transforms and
+#                                eager path, jax.lax over ranks, sharded arrays and the
+#                                check across ranks, at 2 ranks, not the slow ones
+#                                (QUICK_TESTS); `make test` before a push
 #   make demo                    examples/demo.py under mpiexec -n 2
 #   make demo-slurm              the same as a SLURM batch job (launch/slurm.sbatch) on a
 #                                one-node SLURM brought up on localhost (root; installs
@@ -205,7 +209,7 @@ EXT_SO := mpicoll/_mpicoll_ffi_$(EXT_FAMILY)$(shell $(VENV)/bin/python -c 'impor
 EXT_SO_DEP := $(if $(wildcard $(EXT_SO)),$(EXT_SO),FORCE)
 endif
 
-.PHONY: install test test-mpi4jax-suite test-multihost bench-multihost soak-devices demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
+.PHONY: install test test-quick test-mpi4jax-suite test-multihost bench-multihost soak-devices demo bench test-all test-gpu bench-gpu gpu-wheels clean clean-build FORCE
 
 install: $(STAMP_MPICOLL)
 
@@ -302,6 +306,20 @@ MULTIHOST_TESTS := tests/test_multihost.py
 test-mpi4jax-suite: install
 	$(VENV_PATH) $(MPIEXEC_ENV) sh tools/mpi4jax_suite.sh $(VPY) '$(MPIEXEC) $(MPIEXEC_FLAGS)' \
 	    '$(MPI4JAX_SUITE_RANKS)' $(TEST_TIMEOUT)
+
+
+# The suite's most telling tests for the edit-run loop, in a few minutes: every
+# collective against numpy, grad and vmap through them, the eager path, jax.lax
+# over ranks and global meshes, sharded arrays, the check across ranks, at 2
+# ranks (where each of them is a real exchange), without the slow ones.  The
+# jobs that launch their own mpiexec (faults, the watchdog, devices, SLURM) run
+# in `make test`'s serial run only.
+QUICK_TESTS ?= tests/test_collectives.py tests/test_transforms.py tests/test_eager.py \
+    tests/test_lax_over_ranks.py tests/test_sharded_arrays.py tests/test_mismatch.py \
+    tests/test_p2p.py tests/test_lowering.py
+test-quick: install
+	PYTEST_ADDOPTS='-m "not slow"' $(MAKE) --no-print-directory test TEST_RANKS=2 \
+	    TESTS='$(QUICK_TESTS)'
 
 test-multihost: install
 	$(VENV_PATH) MPICOLL_MPIEXEC='$(MPIEXEC)' $(TIMEOUT) $(TEST_TIMEOUT) \
