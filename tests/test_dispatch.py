@@ -60,10 +60,20 @@ def test_the_source_text_of_jax_lowering_is_read_as_expected_on_this_jax():
     """The one place mpicoll reads JAX's source (pxla._cached_lowering_to_hlo, a C++ cache
     without a signature): the three arguments the hook rewrites are found by position,
     on each JAX line CI runs (0.10 on Python 3.11, the newest on 3.12)."""
-    positions = _compat.dispatch_hooks._lowering_argument_positions()
-    assert positions is not None, f"jax {jax.__version__}: pxla's lowering function changed"
-    assert set(positions) == {"closed_jaxpr", "num_devices", "platforms"}
-    assert len(set(positions.values())) == 3
+    hooks = _compat.dispatch_hooks
+    assert hooks.jax_line() in hooks.LOWERING_POSITIONS, \
+        f"jax {jax.__version__}: a line the dispatch hook was not checked against"
+    assert hooks._positions_in_source() == hooks.LOWERING_POSITIONS[hooks.jax_line()], \
+        f"jax {jax.__version__}: pxla's lowering function is not as the table says"
+    assert hooks._lowering_argument_positions() is not None
+
+
+def test_a_jax_line_the_table_lacks_is_a_missing_hook(monkeypatch):
+    hooks = _compat.dispatch_hooks
+    monkeypatch.setattr(hooks, "jax_line", lambda: (0, 99))
+    assert hooks._lowering_argument_positions() is None
+    assert any("at the positions mpicoll checked for jax 0.10, 0.11, 0.12" in line
+               for line in hooks.missing_hooks())
 
 
 @pytest.mark.parametrize("dispatch", ["device-order", "tokens"], indirect=True)

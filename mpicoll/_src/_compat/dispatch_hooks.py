@@ -152,9 +152,39 @@ def complete_dispatches_with(effect_type):
 _IN_MODULE_LOWERING_PARAMETERS = ["closed_jaxpr", "num_devices", "platforms"]
 
 
+# Where pxla._cached_lowering_to_hlo takes (closed_jaxpr, num_devices, platforms),
+# per jax line mpicoll's hook was checked against: the function is a C++ cache
+# with no signature to inspect, so each line's positions were read from its
+# pxla.py (0.10.2 and 0.12.0.1, which CI runs; 0.11.2, the GPU machine's), and
+# at import the installed source is checked to say the same.  A line not in the
+# table, or a source that disagrees with it, is a missing hook: import warns,
+# naming it, the dispatch falls back to runtime tokens, and tests/test_install.py
+# fails.
+LOWERING_POSITIONS = {
+    (0, 10): {"closed_jaxpr": 0, "num_devices": 9, "platforms": 15},
+    (0, 11): {"closed_jaxpr": 0, "num_devices": 10, "platforms": 16},
+    (0, 12): {"closed_jaxpr": 0, "num_devices": 10, "platforms": 16},
+}
+
+
+def jax_line():
+    """(major, minor) of the installed jax."""
+    return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
 def _lowering_argument_positions():
-    """Where pxla._cached_lowering_to_hlo takes closed_jaxpr, num_devices and platforms,
-    read from pxla's source (the function is a C++ cache with no signature); None
+    """Where pxla._cached_lowering_to_hlo takes closed_jaxpr, num_devices and
+    platforms on this jax: LOWERING_POSITIONS's entry for its line, where the
+    installed source agrees; None for a line the table lacks, or a source that
+    says otherwise."""
+    known = LOWERING_POSITIONS.get(jax_line())
+    if known is None or _positions_in_source() != known:
+        return None
+    return known
+
+
+def _positions_in_source():
+    """The positions as pxla's source has them (the check of the table), or None
     where any is missing or passed otherwise than by position."""
     try:
         source = inspect.getsource(_pxla)
@@ -295,8 +325,10 @@ def missing_hooks():
     missing = []
     if getattr(_pxla, "_cached_lowering_to_hlo", None) is None \
             or _lowering_argument_positions() is None:
+        checked = ", ".join(f"{major}.{minor}" for major, minor in sorted(LOWERING_POSITIONS))
         missing.append("pxla._cached_lowering_to_hlo(closed_jaxpr, ..., num_devices, ..., "
-                       "platforms, ...) called with them by position")
+                       "platforms, ...) at the positions mpicoll checked for jax "
+                       f"{checked}, called with them by position")
     if not (hasattr(_mlir, "jaxpr_subcomp") and hasattr(_mlir, "TokenSet")
             and "outer_traceback" in inspect.signature(_mlir.jaxpr_subcomp).parameters):
         missing.append("mlir.jaxpr_subcomp(..., outer_traceback=) and mlir.TokenSet")
