@@ -54,12 +54,8 @@ struct LeadCall {
              std::to_string(L) + " local devices";
     };
     LeadGate& gate = *turn.gate;
-    if (gate.here) {
-      if (PlanCheck(c, turn.device, describe).check ||
-          (gate.arrival.Start(c), gate.started = true, !gate.arrival.Within(std::max<int64_t>(0, gate.deadline - NowNs())))) {
-        gate.handed_off = true;
-        return ffi::Error::Success();
-      }
+    if (gate.here && gate.HandsOff(c, PlanCheck(c, turn.device, describe).check)) {
+      return ffi::Error::Success();
     }
     return Execute<Op>(c, turn.device, with, describe, gate);
   }

@@ -92,6 +92,19 @@ struct LeadGate {
   bool handed_off = false;
   bool started = false;
   Arrival arrival;
+  // On XLA's thread, before the leader's call: whether it goes to the progress
+  // thread instead (handed_off): where a check is due, or the ranks' leaders
+  // have not all arrived by the deadline (the barrier, started here, is
+  // finished there).
+  bool HandsOff(const Call& c, bool check_due) {
+    if (!check_due) {
+      arrival.Start(c);
+      started = true;
+      if (arrival.Within(std::max<int64_t>(0, deadline - NowNs()))) return false;
+    }
+    handed_off = true;
+    return true;
+  }
   // Execute's before_run: the barrier, started here unless it was already.
   int operator()(const Call& c) {
     if (!barrier) return MPI_SUCCESS;  // no leader of this communicator's meetings runs here
