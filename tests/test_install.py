@@ -22,14 +22,14 @@ PACKAGE = Path(mpicoll.__file__).parent
 
 STEPS = ["xla-cpu-pool", "ffi-targets", "ordered-effect", "runtime-token-fast-path",
          "serialized-dispatch", "dispatch-order", "lax-refused-over-ranks", "ranks-axis-size",
-         "lax-routed", "traceback-filter", "failure-handling"]
+         "lax-routed", "traceback-filter", "pending-collectives-at-exit", "failure-handling"]
 
 # The calls that change JAX, XLA or the process (what install.py's steps make).
 CHANGING_CALLS = {"register_ordered_effect", "refuse_lax_collectives_over",
                   "route_lax_collectives", "size_axis", "hide_frames_under",
                   "install_runtime_token_fast_path", "complete_dispatches_with",
                   "register_ffi_target", "size_xla_cpu_pool", "configure", "install", "_install",
-                  "use_mode", "use_autodiff"}
+                  "use_mode", "use_autodiff", "register"}
 
 
 def test_every_change_at_import_is_one_step_applied_once_in_the_declared_order():

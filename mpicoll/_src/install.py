@@ -19,6 +19,9 @@ Why this order:
                     so no moment exists where a lax collective over RANKS could
                     reach XLA unrefused.
   traceback-filter  mpicoll's frames out of the tracebacks users see.
+  pending-collectives-at-exit
+                    before failure-handling, so its exit notices run first (atexit
+                    runs in reverse order) and the flush last, before MPI_Finalize.
   failure-handling  last: its hooks (abort on error, the watchdog, the exit
                     notices) watch a fully imported mpicoll.
 
@@ -79,6 +82,8 @@ def _steps():
              "mpicoll's collectives", lax_over_ranks.route_lax_collectives),
         Step("traceback-filter", "JAX's traceback filtering: mpicoll's frames left out",
              traceback_filter),
+        Step("pending-collectives-at-exit", "atexit: collectives still queued in XLA "
+             "complete before MPI_Finalize", native.flush_pending_collectives_at_exit),
         Step("failure-handling", "sys/threading excepthooks, atexit, SIGUSR1/2, the "
              "watchdog thread", lambda: failures.configure(settings.current())),
     )

@@ -193,8 +193,9 @@ if "cuda" in PLATFORMS:
 extension.set_gather_pieces(settings.current().gather_pieces)
 
 
-@atexit.register
-def _flush_pending_collectives():
-    # Registered after mpi4py initialized MPI, so it runs before MPI_Finalize:
-    # collectives still queued in XLA complete instead of meeting a finalized MPI.
-    jax.effects_barrier()
+def flush_pending_collectives_at_exit():
+    """An install step (install.py): at exit, collectives still queued in XLA
+    complete before MPI_Finalize instead of meeting a finalized MPI (registered
+    after mpi4py initialized MPI, so it runs before mpi4py's finalization)."""
+    atexit.register(jax.effects_barrier)
+    return "jax.effects_barrier() before MPI_Finalize"
