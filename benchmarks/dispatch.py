@@ -18,6 +18,10 @@ so that load drift hits all alike:
   + allreduce, tokens the same in tokens mode
   eager allreduce     mpicoll.allreduce(x) on a float32[1] jax array, then mpi4py's
                       comm.Allreduce on numpy float32[1] buffers       (reference)
+  JAX eager, no MPI   jax.jit(lambda x: x + 1) on the same array, completed each call
+                      (block_until_ready): JAX's cheapest eager dispatch.  The line
+                      under the table divides the eager allreduce by it + mpi4py's
+                      Allreduce (the MPI floor as Python reaches it)
 
 A Python loop calls the jitted function and keeps the last result; the run
 ends with block_until_ready.  Results are checked once against numpy.  Prints a
@@ -58,6 +62,7 @@ TABLE_CELLS = {
     "  + allreduce (fused), tokens": ("step of 100 arrays", 4, "+ allreduce, tokens"),
     "mpi4py Allreduce 4 B": ("allreduce", 4, "mpi4py"),
     "eager allreduce 4 B": ("allreduce", 4, "mpicoll eager"),
+    "JAX eager, no MPI": ("allreduce", 4, "JAX eager, no MPI"),
 }
 
 
@@ -94,6 +99,9 @@ def main():
         return run
 
     step = jax.jit(lambda x: x + 1)
+
+    def step_completed(x):
+        return step(x).block_until_ready()
     tree_step = jax.jit(lambda xs: [x + 1 for x in xs])
 
     def compiled_in(mode):
@@ -131,6 +139,7 @@ def main():
         "mpi4py Allreduce 4 B": (lambda a: python_loop(mpi4py_allreduce, None, a), None),
         "eager allreduce 4 B": (lambda a: python_loop(mpicoll.allreduce, one, a),
                                 "mpi4py Allreduce 4 B"),
+        "JAX eager, no MPI": (lambda a: python_loop(step_completed, one, a), None),
     }
     checks = {"  + allreduce": (step_allreduce(one), size + 1.0),
               "  + allreduce, tokens": (step_tokens(one), size + 1.0),
@@ -155,6 +164,9 @@ def main():
         for name, (_, reference) in rows.items():
             ratio = f"{medians[name] / medians[reference]:>12.1f}" if reference else ""
             print(f"{name:32} {medians[name] * 1e6:>9.1f} {ratio}")
+        floor = medians["JAX eager, no MPI"] + medians["mpi4py Allreduce 4 B"]
+        eager_ratio = medians["eager allreduce 4 B"] / floor
+        print(f"eager allreduce / (JAX eager + mpi4py Allreduce) = {eager_ratio:.2f}")
         cells = [dict(zip(("op", "bytes", "impl"), TABLE_CELLS[name]), name=name.strip(),
                       us=medians[name] * 1e6) for name in rows]
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +174,7 @@ def main():
             benchmark="dispatch", processes=size, jax=jax.__version__,
             mpi=MPI.Get_library_version().splitlines()[0], host=platform.node(),
             cores=os.cpu_count(), when=time.strftime("%Y-%m-%d %H:%M"), runs=args.runs,
-            calls=args.calls, load_average=[load_start, os.getloadavg()[0]], rows=cells),
+            calls=args.calls, eager_over_jax_and_mpi=eager_ratio, load_average=[load_start, os.getloadavg()[0]], rows=cells),
             indent=1) + "\n")
         print(f"wrote {args.output}")
 

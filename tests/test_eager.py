@@ -72,3 +72,41 @@ def test_eager_call_waits_for_pending_jitted_program_and_its_input():
         assert_same(first, np.full((64, 64), total, np.float32))
         assert_same(second, np.full((64, 64), SIZE * total, np.float32))
         assert_same(third, np.full(3, 10 * step, np.int32))
+
+
+def test_repeated_eager_calls_follow_their_arguments():
+    # A repeated call takes its cached program by its arguments (dispatch.py,
+    # _repeated_eager_call): each call below differs from the one before in one
+    # part of that key (op, dtype, shape, root, the communicator, numpy input),
+    # and every step's values are new, so a program or result taken for the
+    # wrong call shows.
+    from mpi4py import MPI
+    for step in range(6):
+        x = jnp.full(3, RANK + step, jnp.float32)
+        total = sum(r + step for r in range(SIZE))
+        assert_same(mpicoll.allreduce(x), np.full(3, total, np.float32))
+        assert_same(mpicoll.allreduce(x, "max"), np.full(3, SIZE - 1 + step, np.float32))
+        assert_same(mpicoll.allreduce(x.astype(jnp.int32)), np.full(3, total, np.int32))
+        assert_same(mpicoll.allreduce(x[:2]), np.full(2, total, np.float32))
+        root = step % SIZE
+        assert_same(mpicoll.bcast(x, root=root), np.full(3, root + step, np.float32))
+        assert_same(mpicoll.allreduce(np.asarray(x)), np.full(3, total, np.float32))
+        assert_same(mpicoll.allreduce(x, comm=MPI.COMM_WORLD), np.full(3, total, np.float32))
+
+
+def test_a_repeated_eager_call_skips_binds_layers(monkeypatch):
+    # The eager fast path: once a call has run, the same call on another array
+    # of its dtype and shape runs its cached program without bind's layers
+    # (layout, validation, resolution); a call that differs still goes through bind.
+    from mpicoll._src.primitive import dispatch
+
+    def through_bind(*args, **kwargs):
+        raise AssertionError("bind reached")
+
+    x = jnp.arange(5, dtype=jnp.float32) + RANK
+    mpicoll.allreduce(x)
+    monkeypatch.setattr(dispatch, "bind", through_bind)
+    total = sum(np.arange(5, dtype=np.float32) * 2 + 2 * r for r in range(SIZE))
+    assert_same(mpicoll.allreduce(x * 2), total)
+    with pytest.raises(AssertionError, match="bind reached"):
+        mpicoll.allreduce(x, "min")  # a new op: a first call

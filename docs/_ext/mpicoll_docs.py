@@ -101,7 +101,8 @@ FORMATS = {
                                 ("+ allreduce, tokens", "+ allreduce, tokens mode"),
                                 ("+ allreduce, JAX's tokens", "tokens mode, JAX token handling"),
                                 ("mpi4py", "mpi4py Allreduce"),
-                                ("mpicoll eager", "mpicoll.allreduce eager")],
+                                ("mpicoll eager", "mpicoll.allreduce eager"),
+                                ("JAX eager, no MPI", "jit(x + 1) eager, completed")],
                        size_title="per array", ratio_to="step"),
 }
 

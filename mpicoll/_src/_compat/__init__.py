@@ -12,7 +12,7 @@ is the only place to change.  Each helper states what it needs from JAX.
 """
 
 from .core import (  # noqa: F401
-    JAX_VERSION, Effect, api_boundary, hide_frames_under, ShapedArray, abstract_token, apply_primitive, aval_with_shape,
+    JAX_VERSION, ConcreteArray, Effect, api_boundary, hide_frames_under, ShapedArray, abstract_token, apply_primitive, aval_with_shape,
     backends_initialized,
     at_top_level, create_token, register_call_site_lowering, register_lowering,
     register_ordered_effect, reset_effect_tokens, set_token_out, token_in, user_source_line,

@@ -3,12 +3,16 @@
 import inspect
 
 import jax
+from jax._src import array as _array
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src.interpreters import mlir as _mlir
 
 ShapedArray = _core.ShapedArray
+# The type of a concrete array (never a tracer): `type(x) is ConcreteArray` is the
+# cheapest exact test, for the eager calls' cache lookup (primitive/dispatch.py).
+ConcreteArray = _array.ArrayImpl
 abstract_token = _core.abstract_token
 Effect = _effects.Effect
 register_lowering = _mlir.register_lowering

@@ -14,6 +14,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
 
 from .. import _compat
 from . import define, varying, validate, sharded
@@ -189,6 +190,30 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     return program, x
 
 
+_PLAIN_ARGUMENTS = frozenset(("comm", "root", "op"))
+
+
+def _repeated_eager_call(spec, x, kwargs):
+    """The cached program of an eager call bind has already run, or None.
+
+    The eager path's common case, a repeated call on one device's concrete array
+    with the default communicator, skips bind's layers: each would find what
+    the first call found (no layout: one device; at the top level; checks that
+    depend only on the key's parts; nothing to resolve), so the lookup is
+    _eager_program_for's own key, built straight from the arguments.  Anything
+    else (a communicator, a traced or sharded array, a first call) goes
+    through bind.
+    """
+    if (kwargs.get("comm") is not None or not kwargs.keys() <= _PLAIN_ARGUMENTS
+            or type(x.sharding) is not SingleDeviceSharding or not _compat.at_top_level()):
+        return None
+    key = (spec.name, None, kwargs.get("root", 0), kwargs.get("op"), False, x.dtype, x.shape, ())
+    try:
+        return _EAGER_PROGRAMS.get(key)
+    except TypeError:  # an unhashable op: never cached
+        return None
+
+
 def run_eagerly(program, x):
     """program(x), completed; a failure raises jax.errors.JaxRuntimeError whichever
     way JAX ran the program.
@@ -209,7 +234,9 @@ def run_eagerly(program, x):
                 out = program(x)
         finally:
             define.lowering_eagerly[0] = False
-        return out.block_until_ready() if isinstance(out, jax.Array) else jax.block_until_ready(out)
+        if type(out) is _compat.ConcreteArray:
+            return out.block_until_ready()
+        return jax.block_until_ready(out)
     except ValueError as error:
         runtime_error = _compat.runtime_error_from_fast_path(error)
         if runtime_error is None:
@@ -245,6 +272,11 @@ FUSION_LEAF_BYTES = 256 * 1024
 
 def collective(spec, x, **kwargs):
     """One array -> bind; a pytree -> validated leaves fused per dtype, one call per bucket."""
+    if type(x) is _compat.ConcreteArray:
+        program = _repeated_eager_call(spec, x, kwargs)
+        if program is not None:
+            after_pending_programs()
+            return run_eagerly(program, x)
     if isinstance(x, jax.Array):  # the common case, without flattening
         return bind(spec, x, **kwargs)
     leaves, treedef = jax.tree.flatten(x)
