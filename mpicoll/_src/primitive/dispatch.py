@@ -166,6 +166,11 @@ def _on_cpu(x):
 _EAGER_PROGRAMS = {}
 
 
+def _eager_key(spec, slot, root, op, transpose_sums, x, static):
+    """_EAGER_PROGRAMS' key: what the checks depend on (slot None: the default communicator)."""
+    return spec.name, slot, root, op, transpose_sums, x.dtype, x.shape, static
+
+
 def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     """The program for a call outside any trace (cached), and x as an array.
 
@@ -178,7 +183,7 @@ def _eager_program_for(spec, x, comm, root, op, transpose_sums, static=()):
     info = None if comm is None else comm_layer.resolve(comm, spec.name)
     x = validate.as_array(x, spec.name)  # numpy arrays and scalars run the same program
     cacheable = type(root) is int and (op is None or type(op) is str)
-    key = ((spec.name, info and info.slot, root, op, transpose_sums, x.dtype, x.shape, static)
+    key = (_eager_key(spec, info and info.slot, root, op, transpose_sums, x, static)
            if cacheable else None)
     program = _EAGER_PROGRAMS.get(key)
     if program is None:
@@ -200,16 +205,16 @@ def _repeated_eager_call(spec, x, kwargs):
     with the default communicator, skips bind's layers: each would find what
     the first call found (no layout: one device; at the top level; checks that
     depend only on the key's parts; nothing to resolve), so the lookup is
-    _eager_program_for's own key, built straight from the arguments.  Anything
+    _eager_program_for's own key (_eager_key), built straight from the arguments.  Anything
     else (a communicator, a traced or sharded array, a first call) goes
     through bind.
     """
     if (kwargs.get("comm") is not None or not kwargs.keys() <= _PLAIN_ARGUMENTS
             or type(x.sharding) is not SingleDeviceSharding or not _compat.at_top_level()):
         return None
-    key = (spec.name, None, kwargs.get("root", 0), kwargs.get("op"), False, x.dtype, x.shape, ())
     try:
-        return _EAGER_PROGRAMS.get(key)
+        return _EAGER_PROGRAMS.get(_eager_key(spec, None, kwargs.get("root", 0),
+                                              kwargs.get("op"), False, x, ()))
     except TypeError:  # an unhashable op: never cached
         return None
 
