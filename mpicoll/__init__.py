@@ -28,7 +28,7 @@ if not _OFFLINE:
     from ._src.ops.collectives import (
         allgather, allreduce, alltoall, barrier, bcast, exscan, gather, pvary, reduce, reduce_scatter,
         scan, scatter)
-    from ._src.ops.typed_ranks import RANKS, autodiff_mode, mesh, set_autodiff
+    from ._src.ops.typed_ranks import autodiff_mode, set_autodiff
     from ._src.ops.scheduling import dispatch_mode, overlap, set_dispatch
     from ._src.ops.p2p import ANY_SOURCE, ANY_TAG, PROC_NULL, recv, send, sendrecv
     from ._src.ops.vector import allgatherv, alltoallv, gatherv, scatterv
@@ -43,8 +43,21 @@ if not _OFFLINE:
 
     # Every change mpicoll makes to JAX, XLA and the process, in one declared
     # order (_src/install.py; `python -m mpicoll info` lists them).
-    from ._src.install import install as _install
+    from ._src.install import install as _install, on_first_use_of_ranks as _first_use_of_ranks
     _install()
+
+    # The first use of the mesh vocabulary is seen here, at the package's door:
+    # mpicoll.mesh(), mpicoll.RANKS (__getattr__ below; also `from mpicoll import
+    # RANKS`) and mpicoll.distributed.initialize() (its own module).  It routes
+    # jax.lax over the ranks (_src/install.py), which code that never names them
+    # never pays.
+    import functools as _functools
+    from ._src.ops import typed_ranks as _typed_ranks
+
+    @_functools.wraps(_typed_ranks.mesh)
+    def mesh(local_axis=None, devices=None):
+        _first_use_of_ranks()
+        return _typed_ranks.mesh(local_axis, devices)
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "allgather", "allgatherv", "allreduce",
            "alltoall", "alltoallv", "autodiff_mode", "barrier", "bcast", "check_mode",
@@ -52,3 +65,15 @@ __all__ = ["ANY_SOURCE", "ANY_TAG", "PROC_NULL", "RANKS", "RankLost", "State", "
            "overlap", "override_settings", "pvary", "recv", "reduce", "reduce_scatter", "scan", "scatter", "scatterv", "send", "sendrecv",
            "set_autodiff", "set_check_mode", "shrink", "set_dispatch", "set_stall_report", "set_timeout", "start_trace",
            "stop_trace", "thread_mode", "trace"]
+
+
+def __getattr__(name):
+    if name == "RANKS" and not _OFFLINE:
+        _first_use_of_ranks()
+        globals()["RANKS"] = _typed_ranks.RANKS  # later reads are a plain attribute
+        return _typed_ranks.RANKS
+    raise AttributeError(f"module 'mpicoll' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"RANKS"})

@@ -372,18 +372,24 @@ def _duplicate_local_ranks(reports):
 def _install_lines():
     """What mpicoll changed in JAX, XLA and the process at import, in order (the same
     on every rank)."""
-    from ._src.install import installed, installed_later
-    steps, later = installed(), installed_later()
-    width = max(len(name) for name, _, _ in steps + later)
+    from ._src.install import FIRST_USE_OF_RANKS, installed, installed_later, on_first_use
+    steps, later, pending = installed(), installed_later(), on_first_use()
+    width = max(len(entry[0]) for entry in steps + later + pending)
     lines = ["changes:       (made at import, in this order: mpicoll/_src/install.py)"]
     for name, changes, outcome in steps:
         lines.append(f"  {name:<{width}}  {changes}")
         lines.append(f"  {'':<{width}}    here: {outcome}")
-    if later:
-        lines.append("  and since, by mpicoll.distributed.initialize():")
-    for name, changes, outcome in later:
+    heading = None
+    for name, changes, outcome, by in later:
+        if by != heading:
+            lines.append(f"  and since, by {by}:")
+            heading = by
         lines.append(f"  {name:<{width}}  {changes}")
         lines.append(f"  {'':<{width}}    here: {outcome}")
+    if pending:
+        lines.append(f"  not made in this process (nothing asked yet): at {FIRST_USE_OF_RANKS}")
+    for name, changes in pending:
+        lines.append(f"  {name:<{width}}  {changes}")
     return lines
 
 

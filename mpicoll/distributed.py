@@ -145,6 +145,7 @@ def initialize(*, coordinator_host=None, port=None, local_device_ids=None, **jax
                                **jax_arguments)
     _initialized = True
     from ._src import install
+    install.on_first_use_of_ranks()  # jax.lax over global meshes on mpicoll's collectives
     if transport == "mpi":
         install.later("jax-collectives-on-mpi", "jax_cpu_collectives_implementation: \"mpi\", "
                       "through mpicoll's MPI ABI library (jaxlib's MPItrampoline)",

@@ -4,6 +4,9 @@ no module makes such a change itself; mpicoll's own jax.lax calls never enter
 its router of jax.lax over RANKS."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -21,8 +24,10 @@ from mpicoll._src.over_ranks import lax as lax_over_ranks
 PACKAGE = Path(mpicoll.__file__).parent
 
 STEPS = ["xla-cpu-pool", "ffi-targets", "ordered-effect", "runtime-token-fast-path",
-         "serialized-dispatch", "dispatch-order", "lax-refused-over-ranks", "ranks-axis-size",
-         "lax-routed", "traceback-filter", "pending-collectives-at-exit", "failure-handling"]
+         "serialized-dispatch", "dispatch-order", "traceback-filter",
+         "pending-collectives-at-exit", "failure-handling"]
+# Applied at the first use of mpicoll.RANKS, mpicoll.mesh() or distributed.initialize().
+ON_FIRST_USE = ["lax-refused-over-ranks", "ranks-axis-size", "lax-routed"]
 
 # The calls that change JAX, XLA or the process (what install.py's steps make).
 CHANGING_CALLS = {"register_ordered_effect", "refuse_lax_collectives_over",
@@ -39,9 +44,64 @@ def test_every_change_at_import_is_one_step_applied_once_in_the_declared_order()
     install.install()  # a second call changes nothing
     assert install.installed() == applied
     lines = command._install_lines()
-    listed = [line.split()[0] for line in lines[1:] if not line.lstrip().startswith("here:")]
+    listed = [line.split()[0] for line in lines[1:1 + 2 * len(STEPS)]
+              if not line.lstrip().startswith("here:")]
     assert listed == STEPS, lines
     assert "ffi-targets" in lines[3] and "handlers for cpu" in lines[4], lines
+
+
+# In a fresh process: JAX's own objects before and after `import mpicoll`, and after
+# the first use of the mesh vocabulary (argv[1]: how it is first used).
+_UNCHANGED_UNTIL_ASKED = r"""
+import sys
+import jax
+from jax._src import core, lax as _lax
+from jax._src.interpreters import mlir
+from jax._src.lax import parallel
+
+def jaxs():
+    primitives = [v for v in vars(parallel).values() if isinstance(v, core.Primitive)]
+    return ([vars(p).get("bind") for p in primitives],
+            [mlir._lowerings.get(p) and mlir._lowerings[p].rule for p in primitives],
+            core.AxisEnv.axis_size)
+
+before = jaxs()
+import mpicoll
+from mpicoll import __main__ as command
+from mpicoll._src import install
+from jax.sharding import Mesh, PartitionSpec as P
+mesh = Mesh(jax.devices()[:1], ("i",))
+psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh,
+                             in_specs=P("i"), out_specs=P()))
+assert float(psum(jax.numpy.ones(1))[0]) == 1.0
+print("unchanged after import:", jaxs() == before, [s[0] for s in install.installed_later()])
+print("info:", "not made in this process" in "\n".join(command._install_lines()))
+first_use = {"RANKS": lambda: mpicoll.RANKS, "mesh": mpicoll.mesh,
+             "from-import": lambda: exec("from mpicoll import RANKS")}[sys.argv[1]]
+first_use()
+after = jaxs()
+print("changed:", [after[i] != before[i] for i in range(3)],
+      [(s[0], s[3]) for s in install.installed_later()])
+first_use()
+print("once:", len(install.installed_later()))
+"""
+
+
+@pytest.mark.parametrize("first_use", ["RANKS", "mesh", "from-import"])
+def test_jax_is_unchanged_until_the_mesh_vocabulary_is_first_used(first_use):
+    """`import mpicoll` leaves every jax.lax collective's bind and lowering and JAX's
+    axis sizes as JAX's own (a psum costs what it costs without mpicoll); the first
+    use of mpicoll.RANKS or mpicoll.mesh() applies the three steps, once, and
+    `python -m mpicoll info` lists them as made by it."""
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", _UNCHANGED_UNTIL_ASKED, first_use],
+                          capture_output=True, text=True, timeout=120, env=env)
+    out = done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "unchanged after import: True []" in out and "info: True" in out, out
+    by = install.FIRST_USE_OF_RANKS
+    assert f"changed: [True, True, True] {[(name, by) for name in ON_FIRST_USE]!r}" in out, out
+    assert "once: 3" in out, out
 
 
 def _module_level_calls(tree):

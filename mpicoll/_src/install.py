@@ -14,10 +14,6 @@ Why this order:
   runtime-token-fast-path, serialized-dispatch, dispatch-order
                     how dispatched programs are ordered (primitive/device_order.py);
                     the serialized check raises ImportError where it cannot hold.
-  lax-refused-over-ranks, ranks-axis-size, lax-routed
-                    jax.lax over mpicoll.RANKS: the refusal behind the router first,
-                    so no moment exists where a lax collective over RANKS could
-                    reach XLA unrefused.
   traceback-filter  mpicoll's frames out of the tracebacks users see.
   pending-collectives-at-exit
                     before failure-handling, so its exit notices run first (atexit
@@ -25,7 +21,18 @@ Why this order:
   failure-handling  last: its hooks (abort on error, the watchdog, the exit
                     notices) watch a fully imported mpicoll.
 
-Two changes are made later, not at import, by mpicoll.distributed.initialize()
+JAX's own collectives are changed only for a program that uses mpicoll's mesh
+vocabulary: the first use of mpicoll.RANKS (the attribute, as `from mpicoll import
+RANKS` reads it), mpicoll.mesh() or mpicoll.distributed.initialize() applies
+these steps, in this order, once (on_first_use_of_ranks()):
+  lax-refused-over-ranks, ranks-axis-size, lax-routed
+                    jax.lax over mpicoll.RANKS and global meshes: the refusal behind
+                    the router first, so no moment exists where a lax collective over
+                    RANKS could reach XLA unrefused.
+Until then every lax.parallel primitive binds and lowers as JAX's own, and a
+psum costs what it costs without mpicoll.
+
+The other changes made later, not at import, are mpicoll.distributed.initialize()'s
 (the user asked for JAX's multi-process runtime), each through later():
   gloo-on-loopback  where every rank is on one node, JAX's CPU backend makes
                     gloo's collectives listening on 127.0.0.1 (_compat/backends.py)
@@ -34,6 +41,7 @@ Two changes are made later, not at import, by mpicoll.distributed.initialize()
 """
 
 import dataclasses
+import threading
 from typing import Callable
 
 
@@ -48,8 +56,7 @@ def _steps():
     # Imported here, not at the top: install() runs once every module is loaded.
     from . import PACKAGE_DIR, _compat
     from .observe import failures
-    from .over_ranks import lax as lax_over_ranks
-    from .primitive import define, device_order, varying
+    from .primitive import define, device_order
     from .runtime import native, settings
 
     def ordered_effect():
@@ -74,12 +81,6 @@ def _steps():
              "dispatch waits for its program", device_order.complete_serialized_dispatches),
         Step("dispatch-order", "JAX's lowering and dispatch: CPU programs carry their "
              "ordering token inside (set_dispatch)", device_order.install_device_order),
-        Step("lax-refused-over-ranks", "the lowering rules of jax.lax's collectives: one "
-             "over RANKS that was not routed raises", varying.refuse_unrouted_lax_over_ranks),
-        Step("ranks-axis-size", "JAX's axis sizes: RANKS has the number of ranks",
-             lax_over_ranks.size_ranks_axis),
-        Step("lax-routed", "bind of jax.lax's collective primitives: over RANKS they run "
-             "mpicoll's collectives", lax_over_ranks.route_lax_collectives),
         Step("traceback-filter", "JAX's traceback filtering: mpicoll's frames left out",
              traceback_filter),
         Step("pending-collectives-at-exit", "atexit: collectives still queued in XLA "
@@ -89,8 +90,28 @@ def _steps():
     )
 
 
+# What the first use of mpicoll's mesh vocabulary applies (on_first_use_of_ranks).
+FIRST_USE_OF_RANKS = ("the first use of mpicoll.RANKS, mpicoll.mesh() or "
+                      "mpicoll.distributed.initialize()")
+
+
+def _lax_over_ranks_steps():
+    from .over_ranks import lax as lax_over_ranks
+    from .primitive import varying
+
+    return (
+        Step("lax-refused-over-ranks", "the lowering rules of jax.lax's collectives: one "
+             "over RANKS that was not routed raises", varying.refuse_unrouted_lax_over_ranks),
+        Step("ranks-axis-size", "JAX's axis sizes: RANKS has the number of ranks",
+             lax_over_ranks.size_ranks_axis),
+        Step("lax-routed", "bind of jax.lax's collective primitives: over RANKS and "
+             "global meshes they run mpicoll's collectives", lax_over_ranks.route_lax_collectives),
+    )
+
+
 _installed = []  # (Step, what it did), in order
-_installed_later = []  # the same, for the steps made after import (later())
+_installed_later = []  # the same, for the steps made after import: (Step, what it did, by what)
+_first_use_lock = threading.Lock()  # two threads' first uses apply the steps once
 
 
 def install():
@@ -101,12 +122,29 @@ def install():
         _installed.append((step, step.apply() or "done"))
 
 
-def later(name, changes, apply):
-    """Apply a change made after import (mpicoll.distributed.initialize), once, and list it."""
-    if any(step.name == name for step, _ in _installed_later):
+def later(name, changes, apply, by="mpicoll.distributed.initialize()"):
+    """Apply a change made after import, once, and list it with what made it."""
+    if any(step.name == name for step, _, _ in _installed_later):
         return
     step = Step(name, changes, apply)
-    _installed_later.append((step, step.apply() or "done"))
+    _installed_later.append((step, step.apply() or "done", by))
+
+
+_routed = False  # set once every step of _lax_over_ranks_steps() is applied
+
+
+def on_first_use_of_ranks():
+    """Apply the steps of jax.lax over RANKS and global meshes, once (mpicoll.RANKS,
+    mpicoll.mesh(), mpicoll.distributed.initialize() call it; cheap after)."""
+    global _routed
+    if _routed:
+        return
+    with _first_use_lock:
+        if _routed:
+            return
+        for step in _lax_over_ranks_steps():
+            later(step.name, step.changes, step.apply, by=FIRST_USE_OF_RANKS)
+        _routed = True
 
 
 def installed():
@@ -115,5 +153,11 @@ def installed():
 
 
 def installed_later():
-    """The changes made since import (later()), as installed() lists them."""
-    return [(step.name, step.changes, outcome) for step, outcome in _installed_later]
+    """The changes made since import: [(name, what it changes, what it did, by what)]."""
+    return [(step.name, step.changes, outcome, by) for step, outcome, by in _installed_later]
+
+
+def on_first_use():
+    """The steps not applied yet that the first use of mpicoll's mesh vocabulary would
+    apply: [(name, what it changes)] (none once applied)."""
+    return [] if _routed else [(step.name, step.changes) for step in _lax_over_ranks_steps()]

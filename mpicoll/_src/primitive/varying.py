@@ -203,14 +203,14 @@ def check_reverse_mode(name, params):
 
 
 def refuse_unrouted_lax_over_ranks():
-    """An install step (install.py).  The lax collectives over RANKS are routed to
-    mpicoll's when they bind (over_ranks/lax.py); one that reaches XLA anyway
-    (bound before mpicoll was imported, e.g. in a jaxpr traced earlier) would act
-    on this process alone."""
+    """An install step (install.py, at the first use of RANKS).  The lax collectives
+    over RANKS are routed to mpicoll's when they bind (over_ranks/lax.py); one that
+    reaches XLA anyway (bound before the routing was installed, e.g. in a jaxpr
+    traced earlier with the axis spelled out) would act on this process alone."""
     _compat.refuse_lax_collectives_over(
         RANKS, "jax.lax {name} over " + repr(RANKS) + " reached XLA, which would run it on "
         "this process alone: the axis stands for the MPI ranks. It was bound without "
-        "mpicoll's routing (traced before mpicoll was imported?); import mpicoll first, or "
-        "use mpicoll's collectives (allreduce for psum, allgather for all_gather, sendrecv "
-        "for ppermute)")
+        "mpicoll's routing (traced before mpicoll.RANKS or mpicoll.mesh() was first used?); "
+        "name the axis as mpicoll.RANKS over mpicoll.mesh(), or use mpicoll's collectives "
+        "(allreduce for psum, allgather for all_gather, sendrecv for ppermute)")
     return f"over {RANKS!r}"
