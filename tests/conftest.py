@@ -289,6 +289,30 @@ serial_only = pytest.mark.skipif(
 # What a launcher around this process (or this process's own singleton MPI)
 # put in the environment; none of it may reach the job's launcher.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_")
+# And what makes a process a member of a launcher's job where it must start on its
+# own: Open MPI's mpirun gives its ranks OMPI_MCA_ess=^singleton among others (one
+# that inherits them cannot start: "OPAL ERROR: Unreachable").
+_JOB_MEMBERSHIP_PREFIXES = ("OMPI_", "MPIR_CVAR_", "SLURM_")
+
+
+def environment_outside_the_job(*, standalone=False):
+    """This environment without what a launcher around this process put in it: for a
+    job started from here (run_mpiexec, the simulated cluster), or with standalone=True
+    for a process that runs on its own, outside any job, as a user's shell would start
+    it (Open MPI's run-as-root permission kept)."""
+    drop = _LAUNCHER_PREFIXES + (_JOB_MEMBERSHIP_PREFIXES if standalone else ())
+    return {key: value for key, value in os.environ.items()
+            if not key.startswith(drop) or key.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+
+
+def mpicoll_command(*args, timeout=120):
+    """`python -m mpicoll ARGS` as a user runs it (flight DIR, stacks PID...): (exit
+    status, output), from a process of its own outside any launcher's job (under
+    `mpiexec ... pytest --with-mpi` each rank runs its own)."""
+    done = subprocess.run([sys.executable, "-m", "mpicoll", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=environment_outside_the_job(standalone=True))
+    return done.returncode, done.stdout + done.stderr
 
 
 @dataclasses.dataclass
@@ -377,8 +401,7 @@ def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO, prefix=()):
     if MPIEXEC is None:
         pytest.skip(f"no mpiexec next to {sys.executable} and MPICOLL_MPIEXEC "
                     f"({os.environ.get('MPICOLL_MPIEXEC')!r}) names none")
-    job_env = {key: value for key, value in os.environ.items()
-               if not key.startswith(_LAUNCHER_PREFIXES)}
+    job_env = environment_outside_the_job()
     flags = [flag for flag in job_env.get("XLA_FLAGS", "").split()
              if not flag.startswith("--xla_force_host_platform_device_count")]
     if flags:
@@ -411,6 +434,16 @@ def run_mpiexec(ranks, argv, env=None, timeout=300, cwd=REPO, prefix=()):
     seconds = time.monotonic() - start
     return MPIRun(subprocess.CompletedProcess(command, process.returncode, stdout, stderr),
                   seconds, time.time())
+
+
+def pytest_collection_modifyitems(items):
+    """Marks `odd_ranks` the tests that launch their job at 3 ranks (a `ranks`
+    parameter of 3): CI runs them under one MPI, since what they add over the 2-rank
+    case is the odd count, not the MPI."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("ranks") == 3:
+            item.add_marker(pytest.mark.odd_ranks)
 
 
 _SESSION_CHECK_MODE = mpicoll.check_mode()  # first-run unless MPICOLL_CHECK says otherwise

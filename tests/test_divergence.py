@@ -8,13 +8,12 @@ The times to end are measured in benchmarks/divergence.py (make bench).
 """
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_mpiexec
+from conftest import mpicoll_command, run_mpiexec
 
 PROGRAM = Path(__file__).parent / "programs" / "diverge.py"
 REPORT = "mpicoll: the ranks' collectives cannot match: "
@@ -155,11 +154,10 @@ def test_a_skipped_eager_call_names_the_line_that_waits_and_every_ranks_records(
     assert folder.startswith(str(tmp_path / "node0")), folder
     assert sorted(p.name for p in Path(folder).glob("rank*.json")) == ["rank0.json",
                                                                       "rank1.json"]
-    flight = subprocess.run([sys.executable, "-m", "mpicoll", "flight", folder],
-                            capture_output=True, text=True, timeout=60)
-    assert "flight records of 2 of 2 ranks" in flight.stdout, flight.stdout + flight.stderr
+    _, flight = mpicoll_command("flight", folder)
+    assert "flight records of 2 of 2 ranks" in flight, flight
     assert "rank 1 has not reached sequence 7 (its last: sequence 6, allreduce(float32[4])" \
-        in flight.stdout, flight.stdout
+        in flight, flight
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

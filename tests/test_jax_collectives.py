@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import _mpicoll_jax_mpi
-from conftest import REPO, run_mpiexec, serial_only
+from conftest import REPO, mpicoll_command, run_mpiexec, serial_only
 
 PROGRAM = Path(__file__).parent / "programs" / "plain_jit.py"
 sys.path.insert(0, str(REPO / "tools"))
@@ -147,10 +147,9 @@ def test_xlas_collectives_are_in_the_flight_records_and_the_timeline(tmp_path):
     calls = [e["name"] for e in events if e.get("ph") == "X"]
     assert calls.count("all-reduce(float32[3])") == 3, calls
     assert {"send(uint8[8])", "recv(uint8[8])", "all-gather(float32[8])"} <= set(calls), calls
-    flight = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
-    assert flight.returncode == 0 and "the ranks agree" in flight.stdout, flight.stdout
-    assert f"{XLAS_COMM} (ranks 0,1)" in flight.stdout, flight.stdout
+    status, flight = mpicoll_command("flight", tmp_path)
+    assert status == 0 and "the ranks agree" in flight, flight
+    assert f"{XLAS_COMM} (ranks 0,1)" in flight, flight
 
 
 def test_the_records_name_xlas_slot_as_the_extension_does():

@@ -9,7 +9,6 @@ mpi4jax <= 0.7 (tests/programs/mpi4jax_tokens.py) runs through a plain
 """
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -18,12 +17,11 @@ from pathlib import Path
 import pytest
 
 import _mpicoll_as_mpi4jax as switch
-from conftest import MPIEXEC, REPO, run_mpiexec, serial_only
+from conftest import MPIEXEC, REPO, environment_outside_the_job, run_mpiexec, serial_only
 from mpicoll._src.runtime import settings
 
 PROGRAM = REPO / "tests" / "programs" / "mpi4jax_tokens.py"
 MPIRUN = REPO / "launch" / "mpirun.sh"
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_", "MPIR_CVAR_", "SLURM_")
 
 
 def _require_pth():
@@ -34,8 +32,8 @@ def _require_pth():
 
 def _env(**extra):
     """This environment without a launcher's variables or the switch, plus `extra`."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(_LAUNCHER_PREFIXES) and key != switch.VARIABLE}
+    env = environment_outside_the_job(standalone=True)
+    env.pop(switch.VARIABLE, None)
     env.update(extra)
     return env
 

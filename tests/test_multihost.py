@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPIEXEC, REPO, SIZE, _kill_job
+from conftest import MPIEXEC, REPO, SIZE, _kill_job, environment_outside_the_job
 
 SIMCLUSTER = REPO / "launch" / "simcluster.py"
 PROGRAM = REPO / "tests" / "programs" / "multihost.py"
@@ -53,13 +53,11 @@ def _refusal():
 REFUSED = _refusal()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(REFUSED is not None, reason=str(REFUSED))]
 
-# Launcher variables of an mpiexec around this pytest must not reach the job.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPI4PY_", "OMPI_COMM_WORLD_")
 
 
 def simcluster(ranks_per_host, argv, *, state=None, env=None, timeout=JOB_TIMEOUT, wait=True):
     """Start `argv` on hosts with ranks_per_host ranks each; the finished (or running) Popen."""
-    job_env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    job_env = environment_outside_the_job()  # no launcher's variables of an mpiexec around pytest
     job_env.pop("XLA_FLAGS", None)  # the programs set their own device counts
     job_env.update(MPICOLL_MPIEXEC=str(MPIEXEC), **(env or {}))
     command = [sys.executable, str(SIMCLUSTER), "run",

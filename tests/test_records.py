@@ -5,7 +5,6 @@ write real records are in test_watchdog.py."""
 
 import glob
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,10 @@ import jax.numpy as jnp
 import pytest
 
 import mpicoll
-from conftest import _LAUNCHER_PREFIXES
+from conftest import environment_outside_the_job, mpicoll_command
 from mpicoll._src.observe import records, timeline
 
 WORLD = "mpicoll:MPI_COMM_WORLD:device0"
-# What Open MPI's mpirun gives its ranks (OMPI_MCA_ess=^singleton among them): a process
-# that inherits them cannot start on its own ("OPAL ERROR: Unreachable").
-_OPEN_MPI_JOB = ("OMPI_",)
 
 
 def _event(rank, sequence, call, started, finished, comm=WORLD, members="0,1,2", device=0,
@@ -44,18 +40,6 @@ def _write(directory, rank, events, offset=0, written=10_000_000_000, size=3, re
     (directory / f"rank{rank}.json").write_text(json.dumps(data))
 
 
-def _flight(directory):
-    """`python -m mpicoll flight DIR` as a user runs it: (exit status, output).  A process
-    of its own, outside any launcher's job (under `mpiexec ... pytest --with-mpi` each rank
-    runs its own)."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(_LAUNCHER_PREFIXES + _OPEN_MPI_JOB)
-           or key.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
-    done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    return done.returncode, done.stdout + done.stderr
-
-
 def test_the_installed_mpicoll_command_reads_records_without_mpi_or_jax(tmp_path):
     # `mpicoll flight DIR` (the console script setup.cfg installs) is offline as
     # `python -m mpicoll flight DIR` is: it runs on a login node, beside a live job.
@@ -63,8 +47,7 @@ def test_the_installed_mpicoll_command_reads_records_without_mpi_or_jax(tmp_path
         _write(tmp_path, rank, _allreduces(rank, 5))
     script = Path(sys.executable).parent / "mpicoll"
     assert script.exists(), f"no {script}: `make install` installs the mpicoll command"
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(_LAUNCHER_PREFIXES + _OPEN_MPI_JOB)}
+    env = environment_outside_the_job(standalone=True)
     done = subprocess.run([sys.executable, "-X", "importtime", str(script), "flight",
                            str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and "the ranks agree" in done.stdout, done.stdout + done.stderr
@@ -84,7 +67,7 @@ def _allreduces(rank, last, running=None, members="0,1,2"):
 def test_ranks_that_agree_are_said_to(tmp_path):
     for rank in range(3):
         _write(tmp_path, rank, _allreduces(rank, 5))
-    status, text = _flight(tmp_path)
+    status, text = mpicoll_command("flight", tmp_path)
     assert status == 0, text
     assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks agree, each at sequence 5\n"\
         "  ranks 0-2: sequence 5, allreduce(float32[4]) at job.py:5 (finished 4.8 s before the "\
@@ -100,7 +83,7 @@ def test_a_rank_that_skipped_a_collective_is_named_behind(tmp_path):
     for rank in range(3):
         _write(tmp_path, rank, _allreduces(rank, 5) if rank == 1
                else _allreduces(rank, 6, running=6))
-    status, text = _flight(tmp_path)
+    status, text = mpicoll_command("flight", tmp_path)
     assert status == 1, text
     assert "MPI_COMM_WORLD, local device 0 (ranks 0,1,2): the ranks diverge\n" \
         "  rank 1 has not reached sequence 6 (its last: sequence 5, allreduce(float32[4]) at " \
@@ -178,7 +161,7 @@ def test_a_rank_without_a_file_is_a_divergence(tmp_path):
         "  rank 1: no flight records (its process had ended or could not be asked)\n" in text
     assert "agree" not in text, text
     # And at the command line: exit 1.
-    assert _flight(tmp_path) == (1, text + "\n")
+    assert mpicoll_command("flight", tmp_path) == (1, text + "\n")
 
 
 def test_a_rank_with_a_file_but_no_record_on_a_communicator_has_not_reached_it(tmp_path):
@@ -207,7 +190,7 @@ def test_a_rank_that_added_a_collective_is_named_ahead(tmp_path):
     for rank in range(3):
         _write(tmp_path, rank, _allreduces(rank, 6, running=6) if rank == 0
                else _allreduces(rank, 5))
-    status, text = _flight(tmp_path)
+    status, text = mpicoll_command("flight", tmp_path)
     assert status == 1, text
     assert "the ranks diverge\n" \
         "  rank 0 is at sequence 6 that no other rank reached\n" \

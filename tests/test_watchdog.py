@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_mpiexec, serial_only
+from conftest import mpicoll_command, run_mpiexec, serial_only
 from mpicoll._src.observe import records
 
 PROGRAM = Path(__file__).parent / "programs" / "stall.py"
@@ -73,13 +73,6 @@ def test_a_late_rank_arriving_as_the_report_is_gathered_is_not_misreported():
         assert any(b < sequence for b in behind), result.summary()
 
 
-def _flight(directory):
-    """`python -m mpicoll flight DIR`: (exit status, output)."""
-    done = subprocess.run([sys.executable, "-m", "mpicoll", "flight", str(directory)],
-                          capture_output=True, text=True, timeout=120)
-    return done.returncode, done.stdout + done.stderr
-
-
 def test_ranks_waiting_for_each_other_on_two_communicators_end_the_job_at_once(tmp_path):
     # Rank 1 waits in an allgather on another communicator while rank 0 waits in
     # an allreduce on COMM_WORLD: neither can move, and the watchdog says so
@@ -103,7 +96,7 @@ def test_ranks_waiting_for_each_other_on_two_communicators_end_the_job_at_once(t
     # notice), and the reader says where they diverge.
     assert f"flight records: {flight}/rank*.json" in result.output, result.summary()
     assert sorted(p.name for p in flight.glob("rank*.json")) == ["rank0.json", "rank1.json"]
-    status, text = _flight(flight)
+    status, text = mpicoll_command("flight", flight)
     assert status == 1, text
     assert "MPI_COMM_WORLD, local device 0 (ranks 0,1): the ranks diverge\n" \
         "  rank 0 is at sequence 2 that no other rank reached\n" in text, text
@@ -157,7 +150,7 @@ def test_sigusr1_writes_the_flight_records_and_the_job_goes_on(tmp_path):
     assert "rank 0: flight dump written" in result.output, result.summary()
     # Only rank 0 was sent SIGUSR1: rank 1 has no file, so the ranks are not said to
     # agree, and why it may have none is said.
-    status, text = _flight(tmp_path)
+    status, text = mpicoll_command("flight", tmp_path)
     assert status == 1 and "rank 0 (" in text and "written for: SIGUSR1" in text, text
     assert "  rank 1: no flight records (its process had ended, or was not sent SIGUSR1 " \
         "(the files here were written for SIGUSR1; only a rank it is sent to writes one))" \
@@ -214,7 +207,7 @@ def _trace_summary(directory, *flags):
 
 
 def test_a_slow_compile_on_one_rank_is_warm_up_not_a_straggler(tmp_path):
-    # Issue 46: the last rank reaches the step's first call 0.4 s late (its compile);
+    # The last rank reaches the step's first call 0.4 s late (its compile);
     # the 20 calls after are balanced.  Only --all counts the first call.
     result = run_mpiexec(2, [sys.executable, TIMELINE, "slow-compile", "0.4"], timeout=120,
                          env={"MPICOLL_TRACE": str(tmp_path)})
@@ -306,7 +299,7 @@ def test_the_same_error_on_every_rank_is_printed_once_without_mpicolls_frames(ca
     assert "stall.py" in traceback and package not in traceback, traceback
 
 
-# --- Where every rank is: Python stacks in reports, records gathered (issue 46) -----------
+# --- Where every rank is: Python stacks in reports, records gathered ----------------------
 
 def _per_rank_temp_dirs(base, ranks, argv):
     """argv run with TMPDIR=base/<rank>: each rank's temporary folder apart, as on separate
@@ -359,7 +352,7 @@ def test_a_busy_rank_is_shown_where_it_is_in_its_python_code(ranks, tmp_path):
         [f"rank{r}.json" for r in range(ranks)], list(folder.iterdir())
     for r in range(1, ranks):  # each other rank's own copy stays in its own folder
         assert (tmp_path / str(r) / folder.parent.name / folder.name / f"rank{r}.json").exists()
-    status, text = _flight(folder)
+    status, text = mpicoll_command("flight", folder)
     assert "no flight records" not in text and all(f"rank {r} (" in text for r in range(ranks)), \
         text
 

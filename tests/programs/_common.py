@@ -4,6 +4,8 @@ The programs run as scripts (`mpiexec -n R python tests/programs/X.py ...`), so 
 directory is first on sys.path and they import this module as `_common`.
 
 * fake_cpu_devices(n), before jax is imported: the process gets n CPU devices.
+* say(text, rank=): one line on stdout at once, unbuffered (it is there even if the
+  process is killed or aborts right after); "rank R: " before it where rank= is given.
 * Checker: check(name, got, expected) records a failure where got is not close to
   expected, at the tolerance the program sets once.
 * training_model(largest): the soaks' model, linear leaves of 4 B up to `largest`
@@ -34,6 +36,10 @@ def fake_cpu_devices(count):
              if not flag.startswith(DEVICE_COUNT_FLAG + "=")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={count}"])
     return count
+
+
+def say(text, *, rank=None):
+    os.write(1, (f"rank {rank}: {text}\n" if rank is not None else f"{text}\n").encode())
 
 
 def _as_wide(value):

@@ -46,6 +46,7 @@ import os
 import sys
 import time
 
+import _common
 from _common import fake_cpu_devices
 
 if sys.argv[1] in ("mesh-finish", "lax-devices"):  # before JAX starts its CPU backend
@@ -63,7 +64,7 @@ CASE = sys.argv[1]
 
 
 def say(text):
-    os.write(1, f"rank {RANK}: {text}\n".encode())
+    _common.say(text, rank=RANK)
 
 
 def returned(value, expected):

@@ -48,6 +48,8 @@ _LOG_FD = (os.open(os.path.join(_LOG, f"rank-{RANK}.log"), os.O_WRONLY | os.O_CR
 
 
 def say(text):
+    # (_common.say's line, written here: this program also runs as `python -m mpicoll
+    # faults.py` and as a module, where its folder is not on sys.path)
     line = f"{text}\n".encode()
     os.write(1, line)
     if _LOG_FD is not None:

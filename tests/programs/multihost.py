@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from _common import fake_cpu_devices
+from _common import fake_cpu_devices, say
 
 LOCAL_DEVICES = 2
 if "global" in sys.argv[1:]:
@@ -52,9 +52,6 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 checks, failures = [], []
 
-
-def say(text):
-    os.write(1, f"{text}\n".encode())
 
 
 def verdict(section, name, ok, why=""):

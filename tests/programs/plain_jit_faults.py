@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+import _common
 from _common import fake_cpu_devices
 
 LOCAL = fake_cpu_devices(int(os.environ.get("LOCAL_DEVICES", "1")))
@@ -51,7 +52,7 @@ rows = NamedSharding(mesh, P("x"))
 
 
 def say(text):
-    os.write(1, f"rank {RANK}: {text}\n".encode())
+    _common.say(text, rank=RANK)
 
 
 def data(columns):
