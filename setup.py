@@ -51,7 +51,7 @@ def find_mpicc():
 def mpi_family(mpicc):
     """"openmpi" or "mpich" (MPICH and its derivatives, and any other): the extension's
     name carries it, so that venvs of one checkout built against different MPIs each
-    import their own build (an editable install builds in place; issue 45)."""
+    import their own build (an editable install builds in place)."""
     try:
         shown = subprocess.run([*shlex.split(mpicc), "--showme:version"], capture_output=True,
                                text=True, timeout=60)

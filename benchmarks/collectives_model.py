@@ -1,4 +1,4 @@
-"""Bytes and an alpha-beta time for the collectives over processes x devices (issue 34).
+"""Bytes and an alpha-beta time for the collectives over processes x devices.
 
     python benchmarks/collectives_model.py [--processes 64] [--local 8] [--mib 4]
 

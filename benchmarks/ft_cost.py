@@ -1,4 +1,4 @@
-"""What surviving a lost rank costs (issue 45): the fault-tolerant launch against the
+"""What surviving a lost rank costs: the fault-tolerant launch against the
 default one, and the time from a failure to the next completed step.
 
     python benchmarks/ft_cost.py [--venv .venv-python3.11-openmpi] [--ranks 2] [--rounds 3]

@@ -1,5 +1,5 @@
-"""From a lost rank to RankLost on the survivors, at each moment of set-up and step
-(issue 58), with and without load.
+"""From a lost rank to RankLost on the survivors, at each moment of set-up and step,
+with and without load.
 
     python benchmarks/ft_moments.py [--venv .venv-python3.11-openmpi] [--runs 5]
 

@@ -16,7 +16,7 @@ jax.jit(jax.shard_map(...)) (check_vma=False), from 4 B to 64 MiB per device:
                   composition at every size (the threshold's reference)
   per-device MPI  mpicoll.allreduce(x) without axis_name: each device's MPI
                   allreduce across ranks alone, the MPI half of the global op
-                  (issue 15's target: global <= 1.3x this at 4 KiB)
+                  (the target: global <= 1.3x this at 4 KiB)
   naive           lax.psum(x, 'd') then mpicoll.allreduce(...) without axis_name:
                   every device allreduces the whole array across ranks
   jax+gloo        JAX's own multi-process runtime: jax.distributed.initialize +
@@ -284,7 +284,7 @@ def main():
                          + " ".join(f"{fmt_time(medians[n]):>14}" for n in names)
                          + f" {gloo_cell:>11} | {entry['global_over_per_device']:16.2f}x "
                          f"{entry['via_lax_over_global']:13.2f}x {gloo_ratio}")
-    lines.append("global/per-device: the global op over the MPI half alone (issue 15: <= 1.3 "
+    lines.append("global/per-device: the global op over the MPI half alone (target: <= 1.3 "
                  "at 4 KiB).  via lax/global, gloo/global > 1: mpicoll global is faster.  "
                  "all results correct: " + ("yes" if all_ok else "NO")
                  + ".  load average before/after: "

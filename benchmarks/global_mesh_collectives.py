@@ -1,5 +1,5 @@
 """Collectives over a global mesh's process and device axes at once: L devices per
-process against one, against JAX's gloo, and against the C MPI floor (issue 34).
+process against one, against JAX's gloo, and against the C MPI floor.
 
     mpiexec -n P python benchmarks/global_mesh_collectives.py --local L
         [--mib 4] [--small 16] [--floor-lib PATH] [--no-gloo]
@@ -165,7 +165,7 @@ def measure(jax, args, timer, gloo=False):
                                                   args.repeats, args.inner)
     if gloo:  # 200 asynchronous dispatches over several devices deadlock XLA's in-process
         return results  # rendezvous on a small machine (2 cores): no per-call rows
-    # Per call (issue 34's item 3): 200 dispatches of a jitted shard_map, 16 B per
+    # Per call: 200 dispatches of a jitted shard_map, 16 B per
     # device: a psum over the process axis alone, a body with no collective (JAX's
     # own cost of a call at L devices), and a psum over the device axis alone.
     small = jax.make_array_from_process_local_data(NamedSharding(mesh, spec),

@@ -22,7 +22,7 @@ excludes Python dispatch; one psum per call at 4 MiB).  Rows, per psum:
   mpicoll.allreduce  mpicoll's own call in the same loop, on a plain local array
   MPI floor   C MPI_Allreduce of the same bytes (benchmarks/mpi_floor.c)
 
-Targets (issue 26): 16 B: mpicoll <= 1.5 x (local psum + MPI floor) and >= 50x
+Targets: 16 B: mpicoll <= 1.5 x (local psum + MPI floor) and >= 50x
 faster than gloo; 4 MiB: mpicoll <= 1.3 x mpicoll.allreduce.  Medians over
 repeats, each repeat started together (barrier), the slowest rank's time,
 block_until_ready() always; results checked against numpy.  Prints a table and

@@ -1,4 +1,4 @@
-"""An allreduce of an array laid out over a process's devices (issue 44), against the
+"""An allreduce of an array laid out over a process's devices, against the
 same work written with shard_map over mpicoll.mesh() and against one device's array.
 
     mpiexec -n 2 python benchmarks/sharded_arrays.py [--mib 4] [--repeats 21]

@@ -5,7 +5,7 @@
 Programs of the token era pass the last token into and out of every jitted
 kernel.  mpicoll.mpi4jax hands out an empty pytree as its token, which adds no
 argument and no result to the kernel; this measures that it keeps the kernel
-as fast as the same kernel without a token (issue 48: at most 1.2x), beside
+as fast as the same kernel without a token (the target: at most 1.2x), beside
 the two alternatives it was chosen over: an empty bool array (an extra result)
 and a JAX token (jax.lax.create_token()), which JAX's C++ dispatch does not take.
 
@@ -47,7 +47,7 @@ TIMER = timing.mpi_timer(WORLD)
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 LEFT, RIGHT = (RANK - 1) % SIZE, (RANK + 1) % SIZE
 RESULTS = Path(__file__).resolve().parent / "results" / "token_cost.json"
-LIMIT = 1.2  # issue 48: a kernel passing mpicoll's token, against the same kernel without
+LIMIT = 1.2  # the target: a kernel passing mpicoll's token, against the same kernel without
 
 
 def cases():

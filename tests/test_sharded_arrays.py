@@ -1,4 +1,4 @@
-"""mpicoll's collectives on arrays laid out over several local devices (issue 44):
+"""mpicoll's collectives on arrays laid out over several local devices:
 every collective, the v-forms, point-to-point and mpicoll.mpi4jax, on arrays sharded
 on a dimension, another, replicated, and over a 2 x 2 local mesh with one axis
 replicated; eagerly, in jit (explicit axes, in/out shardings), under jax.set_mesh,

@@ -69,7 +69,7 @@ def test_meetings_ended_on_xlas_thread_and_handed_off_alternate_and_never_hang(
 @pytest.mark.parametrize("ranks,devices,steps", [(2, 2, 300), (2, 4, 150), (3, 2, 100)])
 def test_sharded_array_steps_never_hang(ranks, devices, steps):
     # Arrays laid out over each process's devices: XLA's own all-reduces over the
-    # devices and mpicoll's per-device calls over the ranks in one program (issue 44).
+    # devices and mpicoll's per-device calls over the ranks in one program.
     result = run_mpiexec(ranks, [sys.executable, PROGRAM.parent / "soak_sharded.py", devices,
                                  steps], timeout=240)
     assert result.returncode == 0, result.summary()

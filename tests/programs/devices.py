@@ -148,8 +148,8 @@ check("shard_map global alltoall",
       reference_shard_map(squeeze(lambda v: lax.all_to_all(v, "i", 0, 0)))(B)[MINE])
 
 # Over the local mesh alone (no mpicoll.RANKS axis) reverse mode needs the
-# convention: by default it refuses (issue 13's replicated-w program gave 6 on
-# rank 0 and 46 on rank 1); mpicoll.mesh() below is checked.
+# convention: by default it refuses (a replicated w's gradient came out 6 on
+# rank 0 and 46 on rank 1, not 52 on both); mpicoll.mesh() below is checked.
 try:
     jax.grad(jax.shard_map(lambda w, v: mpicoll.allreduce(jnp.sum(w * v), axis_name="i"),
                            mesh=LOCAL_MESH, in_specs=(P(), P("i")), out_specs=P()))(

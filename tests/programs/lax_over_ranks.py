@@ -179,7 +179,7 @@ def groups_against_jax():
     if LOCAL == 1:
         return
     # Over ranks x devices (participant p = rank * L + k): one group in reverse, the
-    # same device of every rank, and each process's own devices (issue 44).
+    # same device of every rank, and each process's own devices.
     for groups in ([list(range(N))[::-1]],
                    [[r * LOCAL + k for r in range(SIZE)] for k in range(LOCAL)],
                    [[r * LOCAL + k for k in range(LOCAL)][::-1] for r in range(SIZE)]):

@@ -136,7 +136,7 @@ with jax.set_mesh(context):
     same("sync_global_devices under jax.set_mesh",
          lambda: [multihost_utils.sync_global_devices("in context")],
          lambda: [with_jax_own(lambda: multihost_utils.sync_global_devices("in context"))])
-# axis_index_groups over a pmap of every process's devices (issue 44): groups within
+# axis_index_groups over a pmap of every process's devices: groups within
 # each process, the same device of every process, and one group in reverse order;
 # participant p holds p + 1.  numpy is the reference.
 if LOCAL > 1:

@@ -1,4 +1,4 @@
-"""mpicoll's collectives on arrays laid out over several local devices (issue 44).
+"""mpicoll's collectives on arrays laid out over several local devices.
 
     mpiexec -n P python sharded_arrays.py DEVICES
 

@@ -10,7 +10,7 @@ a scalar, vectors, matrices, a small tanh MLP), reduced over every device of
 every rank, and runs an all_gather, a psum_scatter and a ppermute (pmap: an
 alltoall) and a pmean of the loss beside it (pmap: XLA's own pmean over the
 devices, then mpicoll's per-device allreduce over the ranks): every collective kind and size
-in one program, the mix that hung before issue 43.  Each step's results are
+in one program, the mix that hung before the meeting was asynchronous.  Each step's results are
 compared with numpy on every participant's regenerated data (the linear
 leaves exactly; the MLP's gradient against each participant's own gradient
 computed alone, summed by numpy).  Prints "SOAK OK" on success, then the

@@ -1,4 +1,4 @@
-"""Soak: data-parallel steps on arrays laid out over each process's devices (issue 44).
+"""Soak: data-parallel steps on arrays laid out over each process's devices.
 
     mpiexec -n RANKS python soak_sharded.py DEVICES STEPS [LARGEST_BYTES]
 

@@ -1,4 +1,4 @@
-"""Survive lost ranks (issue 45): ranks SIGKILL themselves; the others go on.
+"""Survive lost ranks: ranks SIGKILL themselves; the others go on.
 
     MPICOLL_FT=1 launch/mpirun.sh -n N python survive.py VICTIMS [DEVICES]
 

@@ -1,4 +1,4 @@
-"""A survivor waiting on another communicator than the failed one (issue 45).
+"""A survivor waiting on another communicator than the failed one.
 
     MPICOLL_FT=1 launch/mpirun.sh -n 3 python survive_elsewhere.py
 

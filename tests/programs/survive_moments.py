@@ -1,4 +1,4 @@
-"""A rank lost at each moment of mpicoll's set-up and steps (issue 58): every survivor
+"""A rank lost at each moment of mpicoll's set-up and steps: every survivor
 gets mpicoll.RankLost, shrinks, and goes on.
 
     MPICOLL_FT=1 launch/mpirun.sh -n 5 python survive_moments.py KILLS LOG [DEVICES]

@@ -12,7 +12,7 @@ XLA orders its collectives among themselves but not with mpicoll's calls
 (they hold different resources in XLA:CPU's thunk executor), so a program that
 mixed the two could have device 0 in an MPI call waiting for device 0 of
 another rank while device 1 waited in XLA's rendezvous for device 0: a
-deadlock (issue 43).  The meeting's calls are chained by mpicoll's ordered
+deadlock.  The meeting's calls are chained by mpicoll's ordered
 effect, so every device thread runs them in program order; why that cannot
 deadlock: docs/design.md, "Ranks x devices: why it cannot deadlock".
 

@@ -74,7 +74,7 @@ namespace {
 //
 // Bytes each rank sends are then those of the direct collective over P*L
 // participants, whatever L: no device's data crosses the network twice, and
-// none is padded with zeros (issue 34).
+// none is padded with zeros.
 //
 // The meeting: each thread posts its input and output and waits; the last
 // arrival sorts them by device (the leader, lowest ordinal, first: the same
