@@ -14,6 +14,11 @@ the median of --steps calls, the slowest rank's median):
   MLP step          a data-parallel step: batch sharded, parameters replicated, jit's
                     shardings (value_and_grad of a 2-layer MLP, 64-256-10, and SGD)
   shard_map 4 B / 4 MiB   the same sums written as shard_map + jax.lax.psum (mpicoll)
+  no collective 4 B       jit(x + 1) of the same global array: JAX's own dispatch of a
+                          program on it, with nothing to collect
+  mpi4py 4 B              mpi4py's Allreduce of 4 bytes, in the same processes
+The last two are the floor under the plain-jit 4 B sum (what JAX and MPI cost
+without mpicoll between them): its ratio to their sum is printed too.
 
 Prints the medians over rounds side by side with the ratios, and writes
 benchmarks/results/plain_jit.json (plain_jit-Ldev.json for L > 1).
@@ -30,7 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "plain_jit.json"
-ROWS = ("plain jit 4 B", "plain jit 4 MiB", "MLP step", "shard_map 4 B", "shard_map 4 MiB")
+ROWS = ("plain jit 4 B", "plain jit 4 MiB", "MLP step", "shard_map 4 B", "shard_map 4 MiB",
+        "no collective 4 B", "mpi4py 4 B")
 
 
 def worker(steps, local):
@@ -55,14 +61,14 @@ def worker(steps, local):
     def global_array(local, sharding=rows):
         return jax.make_array_from_process_local_data(sharding, local)
 
-    def timed(function, *arguments, count=steps):
+    def timed(function, *arguments, count=steps, complete=jax.block_until_ready):
         for _ in range(20):
-            jax.block_until_ready(function(*arguments))
+            complete(function(*arguments))
         world.Barrier()
         times = []
         for _ in range(count):
             start = time.perf_counter()
-            jax.block_until_ready(function(*arguments))
+            complete(function(*arguments))
             times.append(time.perf_counter() - start)
         return world.allreduce(statistics.median(times), op=MPI.MAX)
 
@@ -88,6 +94,7 @@ def worker(steps, local):
         grads = jax.grad(mlp_loss)(params, batch, target)
         return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
 
+    four_bytes, summed = np.ones(1, np.float32), np.zeros(1, np.float32)
     rng = np.random.default_rng(0)
     params = {k: jax.device_put(v, replicated) for k, v in {
         "w1": rng.standard_normal((64, 256)).astype(np.float32) * 0.1,
@@ -104,6 +111,8 @@ def worker(steps, local):
         "MLP step": timed(mlp_step, params, batch, target),
         "shard_map 4 B": timed(psum_small, small),
         "shard_map 4 MiB": timed(psum_large, large, count=max(10, steps // 10)),
+        "no collective 4 B": timed(jax.jit(lambda x: x + 1), small),
+        "mpi4py 4 B": timed(lambda: world.Allreduce(four_bytes, summed), complete=lambda _: None),
     }
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -160,8 +169,15 @@ def main():
         against = {"plain jit 4 B": "shard_map 4 B", "plain jit 4 MiB": "shard_map 4 MiB"}
         shard = (f"{mpi / medians['mpi'][against[row]]:>16.2f}x" if row in against else "")
         print(f"{row:18}{mpi * 1e6:>12.1f}us{gloo * 1e6:>12.1f}us{gloo / mpi:>11.1f}x{shard}")
-    for row in ROWS[3:]:
+    for row in ROWS[3:5]:
         print(f"{row:18}{medians['mpi'][row] * 1e6:>12.1f}us   (shard_map + lax.psum on mpicoll)")
+    floor = medians["mpi"]["no collective 4 B"] + medians["mpi"]["mpi4py 4 B"]
+    print(f"{'no collective 4 B':18}{medians['mpi']['no collective 4 B'] * 1e6:>12.1f}us   "
+          "(jit(x + 1) of the same array: JAX's dispatch)")
+    print(f"{'mpi4py 4 B':18}{medians['mpi']['mpi4py 4 B'] * 1e6:>12.1f}us   (MPI_Allreduce)")
+    print(f"the floor under the 4 B sum (JAX's dispatch + MPI): {floor * 1e6:.1f} us; the "
+          f"plain-jit sum on MPI {medians['mpi']['plain jit 4 B'] / floor:.2f}x it, gloo's "
+          f"{medians['gloo']['plain jit 4 B'] / floor:.1f}x it")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"ranks": args.ranks, "local": args.local,
                                        "rounds": args.rounds,

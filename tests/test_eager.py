@@ -110,3 +110,26 @@ def test_a_repeated_eager_call_skips_binds_layers(monkeypatch):
     assert_same(mpicoll.allreduce(x * 2), total)
     with pytest.raises(AssertionError, match="bind reached"):
         mpicoll.allreduce(x, "min")  # a new op: a first call
+
+
+def test_an_eager_compile_marks_its_own_thread_only():
+    """run_eagerly marks the lowering it causes as an eager call's (whose call site
+    every-call checks do not compare); a jitted call lowered on another thread
+    meanwhile is its own, and keeps its site compared."""
+    import threading
+
+    from mpicoll._src.primitive import define, dispatch
+
+    seen = {}
+
+    def program(x):
+        seen["eager"] = define.lowering_eagerly.active
+        other = threading.Thread(
+            target=lambda: seen.setdefault("other thread", define.lowering_eagerly.active))
+        other.start()
+        other.join()
+        return x
+
+    dispatch.run_eagerly(program, jnp.ones(2))
+    assert seen == {"eager": True, "other thread": False}, seen
+    assert define.lowering_eagerly.active is False

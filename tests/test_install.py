@@ -1,10 +1,10 @@
 """What mpicoll changes in JAX, XLA and the process at import: one step each, in
 one declared order (mpicoll/_src/install.py), listed by `python -m mpicoll info`;
-no module makes such a change itself; mpicoll's own jax.lax calls never enter
-its router of jax.lax over RANKS."""
+jax.lax is JAX's own until the first use of mpicoll.RANKS or mpicoll.mesh(); no
+module makes such a change itself; mpicoll's own jax.lax calls never enter its
+router of jax.lax over RANKS."""
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import mpicoll
+from conftest import environment_outside_the_job, serial_only
 from mpicoll import __main__ as command
 from mpicoll._src import install
 from mpicoll._src.ops import ranks_devices
@@ -87,13 +88,14 @@ print("once:", len(install.installed_later()))
 """
 
 
+@serial_only  # (a process of its own, which the serial run checks once)
 @pytest.mark.parametrize("first_use", ["RANKS", "mesh", "from-import"])
 def test_jax_is_unchanged_until_the_mesh_vocabulary_is_first_used(first_use):
     """`import mpicoll` leaves every jax.lax collective's bind and lowering and JAX's
     axis sizes as JAX's own (a psum costs what it costs without mpicoll); the first
     use of mpicoll.RANKS or mpicoll.mesh() applies the three steps, once, and
     `python -m mpicoll info` lists them as made by it."""
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    env = {**environment_outside_the_job(standalone=True), "PYTHONPATH": str(PACKAGE.parent)}
     done = subprocess.run([sys.executable, "-c", _UNCHANGED_UNTIL_ASKED, first_use],
                           capture_output=True, text=True, timeout=120, env=env)
     out = done.stdout

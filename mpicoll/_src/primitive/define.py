@@ -64,10 +64,16 @@ def routed_as(written_as, line):
     finally:
         _routed.call = outer
 
-# Set while an eager call compiles its program (dispatch.run_eagerly): JAX caches
-# that program by signature, so its site's source line is the first caller's, and
-# every-call checks compare the sites of jitted calls only.
-lowering_eagerly = [False]
+class _EagerLowering(threading.local):
+    active = False
+
+
+# Set while an eager call compiles its program (dispatch.run_eagerly), for the
+# thread that compiles it (JAX lowers on the calling thread; another thread's
+# lowering meanwhile is its own, a jitted call's): JAX caches that program by
+# signature, so its site's source line is the first caller's, and every-call
+# checks compare the sites of jitted calls only.
+lowering_eagerly = _EagerLowering()
 
 
 def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbered=True,
@@ -104,7 +110,7 @@ def ordered_ffi_call(ctx, target, *operands, ordered=True, aliases=None, numbere
         # line compiling the program (its first call) is the user's, not compared in
         # every-call mode (another rank may first call it from another line).
         where = _compat.user_source_line(ctx, PACKAGE_DIR)
-        compared = where is not None and not lowering_eagerly[0]
+        compared = where is not None and not lowering_eagerly.active
         written_as = _compat.lowering_scope(ctx, WRITTEN_AS_PREFIX)
         routed = getattr(_routed, "call", None)
         if written_as is None and routed is not None:  # lowered inside the routed bind

@@ -169,7 +169,7 @@ class DeviceOrderDispatch:
         # jax.distributed) runs on this process's devices alone: with one local
         # device, its executions here queue on that device like any other.
         if num_devices == 1 or jax.local_device_count() == 1:
-            if lowering_eagerly[0]:
+            if lowering_eagerly.active:
                 return self._in_module.form(closed_jaxpr)  # it waits and completes (above)
             if self._multi_device_programs:
                 return None  # runtime tokens: fenced on the chain, and waited for

@@ -230,7 +230,8 @@ def run_eagerly(program, x):
     (the try costs nothing until something is raised).
     """
     try:
-        define.lowering_eagerly[0] = True  # its call site is not compared (see there)
+        eager = define.lowering_eagerly
+        outer, eager.active = eager.active, True  # its call site is not compared (see there)
         try:
             if _compat.context_mesh_set():  # the program names its own devices
                 with _compat.no_context_mesh():
@@ -238,7 +239,7 @@ def run_eagerly(program, x):
             else:
                 out = program(x)
         finally:
-            define.lowering_eagerly[0] = False
+            eager.active = outer
         if type(out) is _compat.ConcreteArray:
             return out.block_until_ready()
         return jax.block_until_ready(out)
