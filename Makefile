@@ -35,6 +35,8 @@
 #                                jax_vocabulary.py (a global-mesh lax.psum: mpicoll vs gloo)
 #                                plain_jit.py (a plain jit's partitioner collectives on
 #                                mpicoll's MPI vs gloo vs shard_map, in alternating jobs)
+#                                lax_bind.py (a plain jax.lax.psum traced and run with
+#                                and without import mpicoll, and once routed)
 #                                global_mesh_collectives.py (every lax collective over
 #                                processes x devices, at 1, 2 and 4 devices per process,
 #                                16 B and 4 MiB, beside JAX's gloo and the C MPI floor)
@@ -436,6 +438,7 @@ bench: install $(STAMP_BENCH) $(FLOOR_LIB)
 	    $(VPY) benchmarks/jax_vocabulary.py --floor-lib $(FLOOR_LIB) --local 2
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/plain_jit.py
 	$(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/plain_jit.py --local 2
+	$(VENV_PATH) $(TIMEOUT) $(BENCH_TIMEOUT) $(VPY) benchmarks/lax_bind.py
 	for local in 1 2 4; do $(VENV_PATH) $(MPIEXEC_ENV) $(TIMEOUT) $(BENCH_TIMEOUT) $(MPIEXEC) \
 	    $(MPIEXEC_FLAGS) -n 2 $(VPY) benchmarks/global_mesh_collectives.py --local $$local \
 	    --floor-lib $(FLOOR_LIB) || exit 1; done

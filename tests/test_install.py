@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpicoll
 from conftest import environment_outside_the_job, serial_only
-from mpicoll import __main__ as command
+from mpicoll import _info_report
 from mpicoll._src import install
 from mpicoll._src.ops import ranks_devices
 from mpicoll._src.over_ranks import lax as lax_over_ranks
@@ -44,7 +44,7 @@ def test_every_change_at_import_is_one_step_applied_once_in_the_declared_order()
     assert all(changes and outcome for _, changes, outcome in applied), applied
     install.install()  # a second call changes nothing
     assert install.installed() == applied
-    lines = command._install_lines()
+    lines = _info_report.install_lines()
     listed = [line.split()[0] for line in lines[1:1 + 2 * len(STEPS)]
               if not line.lstrip().startswith("here:")]
     assert listed == STEPS, lines
@@ -68,7 +68,7 @@ def jaxs():
 
 before = jaxs()
 import mpicoll
-from mpicoll import __main__ as command
+from mpicoll import _info_report
 from mpicoll._src import install
 from jax.sharding import Mesh, PartitionSpec as P
 mesh = Mesh(jax.devices()[:1], ("i",))
@@ -76,7 +76,7 @@ psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh,
                              in_specs=P("i"), out_specs=P()))
 assert float(psum(jax.numpy.ones(1))[0]) == 1.0
 print("unchanged after import:", jaxs() == before, [s[0] for s in install.installed_later()])
-print("info:", "not made in this process" in "\n".join(command._install_lines()))
+print("info:", "not made in this process" in "\n".join(_info_report.install_lines()))
 first_use = {"RANKS": lambda: mpicoll.RANKS, "mesh": mpicoll.mesh,
              "from-import": lambda: exec("from mpicoll import RANKS")}[sys.argv[1]]
 first_use()

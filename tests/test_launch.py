@@ -90,24 +90,24 @@ def test_cross_check_open_mpi():
 
 
 def test_info_catches_duplicate_local_ranks():
-    from mpicoll.__main__ import _duplicate_local_ranks
+    from mpicoll._info_report import duplicate_local_ranks
     reports = [{"topology": _topo(rank=r, local_rank=r), "local_ranks": (("MPI_LOCALRANKID", v),)}
                for r, v in ((0, 0), (1, 0))]
-    assert _duplicate_local_ranks(reports) == [
+    assert duplicate_local_ranks(reports) == [
         "node 0: MPI_LOCALRANKID values [0, 0] are not distinct"]
     reports[1]["local_ranks"] = (("MPI_LOCALRANKID", 1),)
-    assert _duplicate_local_ranks(reports) == []
+    assert duplicate_local_ranks(reports) == []
 
 
 def test_info_reports_settings_that_differ_between_ranks():
-    from mpicoll.__main__ import _settings_lines
+    from mpicoll._info_report import settings_lines
     settings = [("check", "first-run", "default"), ("timeout", 0.0, "default")]
     reports = [{"topology": _topo(rank=r, local_rank=r), "settings": list(settings)}
                for r in range(3)]
-    lines, problems = _settings_lines(reports)
+    lines, problems = settings_lines(reports)
     assert problems == [] and lines[1].split() == ["check", "first-run", "default"]
     reports[2]["settings"][0] = ("check", "off", "MPICOLL_CHECK=0")
-    _, problems = _settings_lines(reports)
+    _, problems = settings_lines(reports)
     assert problems == ["setting check differs from rank 0's (first-run) on rank(s) 2: ranks "
                         "that disagree on it can hang or fail"]
 
