@@ -74,7 +74,7 @@ PyObject* RegistrationDict(const std::vector<Registration>& registrations) {
 }
 
 // FFI target name -> handler capsule, per platform ("cpu", and "cuda" when built with it).
-PyObject* Registrations(PyObject*, PyObject* args) {
+PyObject* PyRegistrations(PyObject*, PyObject* args) {
   const char* platform = "cpu";
   if (!PyArg_ParseTuple(args, "|s", &platform)) return nullptr;
   if (std::strcmp(platform, "cpu") == 0) return RegistrationDict(CpuRegistrations());
@@ -90,7 +90,7 @@ bool initialized = false;
 
 // Called once MPI is initialized (by mpi4py): checks the thread level and
 // creates the operators for 16-bit floats.
-PyObject* Initialize(PyObject*, PyObject*) {
+PyObject* PyInitialize(PyObject*, PyObject*) {
   if (initialized) Py_RETURN_NONE;
   int flag = 0;
   MPI_Initialized(&flag);
@@ -110,7 +110,7 @@ PyObject* Initialize(PyObject*, PyObject*) {
 
 // (key, bool): whether the communicator's local meetings start their turns on
 // XLA's thread (engine/comm_table.h), the same on each of its ranks.
-PyObject* SetMeetingsStartHere(PyObject*, PyObject* args) {
+PyObject* PySetMeetingsStartHere(PyObject*, PyObject* args) {
   long long key;
   int here;
   if (!PyArg_ParseTuple(args, "Lp", &key, &here)) return nullptr;
@@ -122,7 +122,7 @@ PyObject* SetMeetingsStartHere(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* RegisterComm(PyObject*, PyObject* args) {
+PyObject* PyRegisterComm(PyObject*, PyObject* args) {
   long long key;
   int device;
   unsigned long long handle;
@@ -146,7 +146,7 @@ PyObject* RegisterComm(PyObject*, PyObject* args) {
 }
 
 // [(XLA device ordinal, local device index), ...]: see LocalDeviceIndex.
-PyObject* SetDeviceOrdinalsPy(PyObject*, PyObject* arg) {
+PyObject* PySetDeviceOrdinals(PyObject*, PyObject* arg) {
   PyObject* seq = PySequence_Fast(arg, "mpicoll: device ordinals must be a sequence of pairs");
   if (!seq) return nullptr;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -170,14 +170,14 @@ PyObject* SetDeviceOrdinalsPy(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyObject* UnregisterComm(PyObject*, PyObject* args) {
+PyObject* PyUnregisterComm(PyObject*, PyObject* args) {
   long long key;
   if (!PyArg_ParseTuple(args, "L", &key)) return nullptr;
   UnregisterDeviceComms(key);
   Py_RETURN_NONE;
 }
 
-PyObject* BuildInfo(PyObject*, PyObject*) {
+PyObject* PyBuildInfo(PyObject*, PyObject*) {
 #if defined(OMPI_MAJOR_VERSION)
   const char* vendor = "Open MPI";
   PyObject* version = Py_BuildValue("(iii)", OMPI_MAJOR_VERSION, OMPI_MINOR_VERSION,
@@ -214,7 +214,7 @@ PyObject* BuildInfo(PyObject*, PyObject*) {
 // the MPI can say (Open MPI's MPIX_Query_cuda_support, MPICH's
 // MPIX_GPU_query_support; both answer at run time, e.g. for a library built with
 // CUDA but run with GPU support switched off), None where it cannot.
-PyObject* CudaAwareMpi(PyObject*, PyObject*) {
+PyObject* PyCudaAwareMpi(PyObject*, PyObject*) {
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
   return PyBool_FromLong(MPIX_Query_cuda_support());
 #elif defined(MPIX_CUDA_AWARE_SUPPORT)
@@ -230,7 +230,7 @@ PyObject* CudaAwareMpi(PyObject*, PyObject*) {
 
 // Survival of a lost rank (ULFM: docs/surviving.md): whether this MPI can (MPIX_Comm_revoke
 // and its error classes compiled in), and whether a call has seen a rank die.
-PyObject* FaultTolerance(PyObject*, PyObject*) {
+PyObject* PyFaultTolerance(PyObject*, PyObject*) {
 #if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
   const bool built = true;
 #else
@@ -245,7 +245,7 @@ PyObject* FaultTolerance(PyObject*, PyObject*) {
 // or a communicator was revoked.  If so, the communicators in `handles` are
 // revoked as well as every one mpicoll talks on (RankLostFailure), so that
 // every survivor, wherever it waits, wakes to the same RankLost.
-PyObject* RankLostFailurePy(PyObject*, PyObject* args) {
+PyObject* PyRankLostFailure(PyObject*, PyObject* args) {
   int code = 0;
   PyObject* handles = nullptr;
   if (!PyArg_ParseTuple(args, "iO", &code, &handles)) return nullptr;
@@ -270,7 +270,7 @@ PyObject* RankLostFailurePy(PyObject*, PyObject* args) {
 
 // mpicoll.shrink() has gone on with the survivors: the next failure revokes
 // every communicator again (call.h, RankLostFailure).
-PyObject* FaultRecovered(PyObject*, PyObject*) {
+PyObject* PyFaultRecovered(PyObject*, PyObject*) {
   rank_lost.store(false);
   recoveries.fetch_add(1);
   Py_RETURN_NONE;
@@ -280,7 +280,7 @@ PyObject* FaultRecovered(PyObject*, PyObject*) {
 // the dead process (seen in about 1 run in 6 under load, in ompi_mpi_finalize), so
 // a native thread ends the process with its exit status if finalizing takes
 // longer than `seconds` (a Python thread cannot: finalization holds the GIL).
-PyObject* ExitAfter(PyObject*, PyObject* args) {
+PyObject* PyExitAfter(PyObject*, PyObject* args) {
   double seconds = 0;
   int status = 0;
   if (!PyArg_ParseTuple(args, "di", &seconds, &status)) return nullptr;
@@ -293,7 +293,7 @@ PyObject* ExitAfter(PyObject*, PyObject* args) {
 }
 
 // The reduction operators by name, so Python never duplicates the numbering.
-PyObject* OpCodes(PyObject*, PyObject*) {
+PyObject* PyOpCodes(PyObject*, PyObject*) {
   PyObject* codes = PyDict_New();
   for (int64_t code = 0; codes && code < kNumOps; ++code) {
     PyObject* value = PyLong_FromLongLong(code);
@@ -304,7 +304,7 @@ PyObject* OpCodes(PyObject*, PyObject*) {
 }
 
 // reduce_ops.def as Python data: name -> (code, the dtype families it is defined for).
-PyObject* ReductionOps(PyObject*, PyObject*) {
+PyObject* PyReductionOps(PyObject*, PyObject*) {
   PyObject* ops = PyDict_New();
   for (int64_t code = 0; ops && code < kNumOps; ++code) {
     const ReduceOpFacts& facts = kReduceOps[code];
@@ -330,7 +330,7 @@ PyObject* ReductionOps(PyObject*, PyObject*) {
 }
 
 // dtypes.def as Python data: numpy's name -> the dtype family (in the table's order).
-PyObject* Dtypes(PyObject*, PyObject*) {
+PyObject* PyDtypes(PyObject*, PyObject*) {
   PyObject* dtypes = PyDict_New();
 #define MPICOLL_DTYPE_ROW(xla, name, mpi, family)                          \
   if (dtypes) {                                                            \
@@ -364,7 +364,7 @@ const char* ZerosName(Zeros zeros) {
 }
 
 // ops.def as Python data: name -> the row's facts.
-PyObject* Collectives(PyObject*, PyObject*) {
+PyObject* PyCollectives(PyObject*, PyObject*) {
   PyObject* collectives = PyDict_New();
 #define MPICOLL_COLLECTIVE_FACTS(Type, ...)                                                    \
   if (collectives) {                                                                          \
@@ -386,7 +386,7 @@ PyObject* Collectives(PyObject*, PyObject*) {
 
 // Test only: (collective, comm handle, dtype name, x, out, root, op, chunk bytes)
 // runs the GPU staging pipeline on host arrays (entries/host_staged.cc).
-PyObject* RunStagedOnHostPy(PyObject*, PyObject* args) {
+PyObject* PyRunStagedOnHost(PyObject*, PyObject* args) {
   const char* name;
   unsigned long long handle;
   const char* dtype_name;
@@ -421,7 +421,7 @@ PyObject* RunStagedOnHostPy(PyObject*, PyObject* args) {
 }
 
 // The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
-PyObject* ReplacedSums(PyObject*, PyObject*) {
+PyObject* PyReplacedSums(PyObject*, PyObject*) {
   PyObject* names = PyList_New(0);
   if (!names) return nullptr;
   for (int i = 0; i < kNumNarrowInts; ++i) {
@@ -437,7 +437,7 @@ PyObject* ReplacedSums(PyObject*, PyObject*) {
   return names;
 }
 
-PyObject* SetCheckMode(PyObject*, PyObject* arg) {
+PyObject* PySetCheckMode(PyObject*, PyObject* arg) {
   long mode = PyLong_AsLong(arg);
   if (mode == -1 && PyErr_Occurred()) return nullptr;
   if (mode < kCheckOff || mode > kCheckEveryCall) {
@@ -449,7 +449,7 @@ PyObject* SetCheckMode(PyObject*, PyObject* arg) {
 }
 
 // (min block bytes, segment bytes) -> the previous pair; (-1, -1) only reads.
-PyObject* PairwiseReduceScatterSizes(PyObject*, PyObject* args) {
+PyObject* PyPairwiseReduceScatter(PyObject*, PyObject* args) {
   long long min_block = -1, segment = -1;
   if (!PyArg_ParseTuple(args, "|LL", &min_block, &segment)) return nullptr;
   const unsigned long long old_min = pairwise_min_block_bytes.load(),
@@ -459,21 +459,21 @@ PyObject* PairwiseReduceScatterSizes(PyObject*, PyObject* args) {
   return Py_BuildValue("(KK)", old_min, old_segment);
 }
 
-// Test only: seconds to wait after a comparison that found a mismatch (see guard.h).
-PyObject* PauseAfterMismatch(PyObject*, PyObject* args) {
+// Test only: seconds to wait after a comparison that found a mismatch (see watch/check.h).
+PyObject* PyPauseAfterMismatch(PyObject*, PyObject* args) {
   double seconds = 0;
   if (!PyArg_ParseTuple(args, "d", &seconds)) return nullptr;
   watch_settings.pause_after_mismatch.store(seconds);
   Py_RETURN_NONE;
 }
 
-PyObject* MeetingTurnsPy(PyObject*, PyObject*) {
+PyObject* PyMeetingTurns(PyObject*, PyObject*) {
   const std::array<int64_t, 3> counts = MeetingTurns();
   return Py_BuildValue("(LLL)", static_cast<long long>(counts[0]),
                        static_cast<long long>(counts[1]), static_cast<long long>(counts[2]));
 }
 
-PyObject* ComparisonsMade(PyObject*, PyObject*) {
+PyObject* PyComparisonsMade(PyObject*, PyObject*) {
   return PyLong_FromLongLong(comparisons_made.load());
 }
 
@@ -481,7 +481,7 @@ PyObject* ComparisonsMade(PyObject*, PyObject*) {
 // rank rejected while the others may run it, compared as the call in its
 // place (the next sequence number on that communicator), so that the others'
 // checks meet it, or the watchdog names it beside their calls.
-PyObject* CompareCall(PyObject*, PyObject* args) {
+PyObject* PyCompareCall(PyObject*, PyObject* args) {
   long long slot;
   int device;
   const char* description;
@@ -508,12 +508,12 @@ PyObject* CompareCall(PyObject*, PyObject* args) {
 }
 
 // True: mpicoll's MPI calls take serialized_mpi.mutex (MPI_THREAD_SERIALIZED mode).
-PyObject* SetSerializedMpi(PyObject*, PyObject* arg) {
+PyObject* PySetSerializedMpi(PyObject*, PyObject* arg) {
   return StoreFlag(serialized_mpi.on, arg);
 }
 
 // Python: meeting_kinds() -> {name: (code, rows_in)}, meeting/kinds.def's rows.
-PyObject* MeetingKinds(PyObject*, PyObject*) {
+PyObject* PyMeetingKinds(PyObject*, PyObject*) {
   PyObject* kinds = PyDict_New();
 #define MPICOLL_MEETING_KIND_ROW(Enum, Type, name, code, rows_in, reduces)               \
   if (kinds) {                                                                          \
@@ -527,7 +527,7 @@ PyObject* MeetingKinds(PyObject*, PyObject*) {
 }
 
 // Python: set_gather_pieces(pieces: int), 0 = automatic (meeting/meeting.cc).
-PyObject* SetGatherPiecesPy(PyObject*, PyObject* arg) {
+PyObject* PySetGatherPieces(PyObject*, PyObject* arg) {
   const long pieces = PyLong_AsLong(arg);
   if (pieces == -1 && PyErr_Occurred()) return nullptr;
   SetGatherPieces(static_cast<int>(std::min<long>(std::max<long>(pieces, 0), 1 << 20)));
@@ -536,7 +536,7 @@ PyObject* SetGatherPiecesPy(PyObject*, PyObject* arg) {
 
 #ifdef MPICOLL_CUDA
 // Python: set_gpu_transport(cuda_aware: bool, chunk_bytes: int).
-PyObject* SetGpuTransportPy(PyObject*, PyObject* args) {
+PyObject* PySetGpuTransport(PyObject*, PyObject* args) {
   int cuda_aware;
   unsigned long long chunk_bytes;
   if (!PyArg_ParseTuple(args, "pK", &cuda_aware, &chunk_bytes)) return nullptr;
@@ -545,7 +545,7 @@ PyObject* SetGpuTransportPy(PyObject*, PyObject* args) {
 }
 
 // Python: cuda_driver() -> {"error": str or None, "version": int, "devices": int}.
-PyObject* CudaDriverInfo(PyObject*, PyObject*) {
+PyObject* PyCudaDriver(PyObject*, PyObject*) {
   const CudaDriver& cu = Driver();
   int devices = 0;
   if (cu.error.empty()) cu.cuDeviceGetCount(&devices);
@@ -557,66 +557,69 @@ PyObject* CudaDriverInfo(PyObject*, PyObject*) {
 }
 #endif
 
+// The module's functions.  Each binding is named for the Python function it is:
+// Py + that name in CamelCase (set_check_mode: PySetCheckMode), the same in
+// module_watch.cc's table; a leading underscore marks a test's hook.
 PyMethodDef methods[] = {
-    {"set_check_mode", SetCheckMode, METH_O,
+    {"set_check_mode", PySetCheckMode, METH_O,
      "Compare call fingerprints across ranks: 0 never, 1 each call site's first run, 2 always."},
-    {"pairwise_reduce_scatter", PairwiseReduceScatterSizes, METH_VARARGS,
+    {"pairwise_reduce_scatter", PyPairwiseReduceScatter, METH_VARARGS,
      "(min block bytes, segment bytes) of mpicoll's own reduce-scatter -> the previous pair; "
      "a negative value leaves that one; every rank must set the same."},
-    {"comparisons_made", ComparisonsMade, METH_NOARGS,
+    {"comparisons_made", PyComparisonsMade, METH_NOARGS,
      "How many times this process has compared a call across ranks."},
-    {"compare_call", CompareCall, METH_VARARGS,
+    {"compare_call", PyCompareCall, METH_VARARGS,
      "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
-    {"op_codes", OpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
-    {"reduction_ops", ReductionOps, METH_NOARGS,
+    {"op_codes", PyOpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
+    {"reduction_ops", PyReductionOps, METH_NOARGS,
      "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},
-    {"dtypes", Dtypes, METH_NOARGS,
+    {"dtypes", PyDtypes, METH_NOARGS,
      "numpy dtype name -> its family (bool, integer, floating, complex), from dtypes.def."},
-    {"collectives", Collectives, METH_NOARGS,
+    {"collectives", PyCollectives, METH_NOARGS,
      "Collective name -> its row of ops.def (family, reduces, rooted, blocks_in, ...)."},
-    {"_pause_after_mismatch", PauseAfterMismatch, METH_VARARGS,
+    {"_pause_after_mismatch", PyPauseAfterMismatch, METH_VARARGS,
      "Test only: seconds this rank waits after a comparison that found a mismatch."},
-    {"_run_staged_on_host", RunStagedOnHostPy, METH_VARARGS,
+    {"_run_staged_on_host", PyRunStagedOnHost, METH_VARARGS,
      "Test only: (collective, comm handle, dtype, x, out, root, op, chunk bytes) runs the GPU "
      "staging pipeline on host arrays."},
-    {"registrations", Registrations, METH_VARARGS,
+    {"registrations", PyRegistrations, METH_VARARGS,
      "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
-    {"meeting_kinds", MeetingKinds, METH_NOARGS,
+    {"meeting_kinds", PyMeetingKinds, METH_NOARGS,
      "Local meeting kind name -> (code, rows_in): meeting/kinds.def's rows."},
-    {"meeting_turns", MeetingTurnsPy, METH_NOARGS,
+    {"meeting_turns", PyMeetingTurns, METH_NOARGS,
      "This process's local meeting turns: (ended on XLA's thread, handed to the progress "
      "thread past the bound, queued whole)."},
-    {"set_gather_pieces", SetGatherPiecesPy, METH_O,
+    {"set_gather_pieces", PySetGatherPieces, METH_O,
      "The pieces the local meeting's allgather is gathered in (0 = automatic)."},
 #ifdef MPICOLL_CUDA
-    {"set_gpu_transport", SetGpuTransportPy, METH_VARARGS,
+    {"set_gpu_transport", PySetGpuTransport, METH_VARARGS,
      "Choose the GPU memory strategy: (cuda_aware, pipeline chunk bytes)."},
-    {"cuda_driver", CudaDriverInfo, METH_NOARGS, "The CUDA driver: error, version, devices."},
+    {"cuda_driver", PyCudaDriver, METH_NOARGS, "The CUDA driver: error, version, devices."},
 #endif
-    {"initialize", Initialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
-    {"register_comm", RegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
-    {"set_meetings_start_here", SetMeetingsStartHere, METH_VARARGS,
+    {"initialize", PyInitialize, METH_NOARGS, "Set up MPI operators; returns the thread level."},
+    {"register_comm", PyRegisterComm, METH_VARARGS, "Store an MPI_Comm handle in a table slot."},
+    {"set_meetings_start_here", PySetMeetingsStartHere, METH_VARARGS,
      "(key, here): whether the communicator's local meetings start their turns on XLA's "
      "thread (its ranks agreed)."},
-    {"set_device_ordinals", SetDeviceOrdinalsPy, METH_O,
+    {"set_device_ordinals", PySetDeviceOrdinals, METH_O,
      "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
-    {"unregister_comm", UnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
-    {"build_info", BuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
-    {"exit_after", ExitAfter, METH_VARARGS,
+    {"unregister_comm", PyUnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
+    {"build_info", PyBuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
+    {"exit_after", PyExitAfter, METH_VARARGS,
      "exit_after(seconds, status): end the process then, if it has not ended."},
-    {"fault_recovered", FaultRecovered, METH_NOARGS,
+    {"fault_recovered", PyFaultRecovered, METH_NOARGS,
      "After mpicoll.shrink(): the next failure revokes every communicator again."},
-    {"fault_tolerance", FaultTolerance, METH_NOARGS,
+    {"fault_tolerance", PyFaultTolerance, METH_NOARGS,
      "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die, "
      "'recoveries': shrinks so far}."},
-    {"rank_lost_failure", RankLostFailurePy, METH_VARARGS,
+    {"rank_lost_failure", PyRankLostFailure, METH_VARARGS,
      "rank_lost_failure(error_code, comm_handles): whether the code says a process failed "
      "(then every communicator, these too, is revoked)."},
-    {"cuda_aware_mpi", CudaAwareMpi, METH_NOARGS,
+    {"cuda_aware_mpi", PyCudaAwareMpi, METH_NOARGS,
      "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
-    {"set_serialized_mpi", SetSerializedMpi, METH_O,
+    {"set_serialized_mpi", PySetSerializedMpi, METH_O,
      "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
-    {"replaced_sums", ReplacedSums, METH_NOARGS,
+    {"replaced_sums", PyReplacedSums, METH_NOARGS,
      "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -17,7 +17,8 @@
 #include <vector>
 
 #include "engine/comm_table.h"
-#include "watch/flight.h"
+#include "watch/call_sites.h"
+#include "watch/records_file.h"
 #include "watch/guard.h"
 #include "watch/watchdog.h"
 #include "module_watch.h"
@@ -34,17 +35,17 @@ PyObject* SetWatchdogSeconds(PyObject* arg, std::atomic<double>& threshold) {
   Py_RETURN_NONE;
 }
 
-PyObject* SetTimeout(PyObject*, PyObject* arg) {
+PyObject* PySetTimeout(PyObject*, PyObject* arg) {
   return SetWatchdogSeconds(arg, watch_settings.timeout_seconds);
 }
 
-PyObject* SetStallReport(PyObject*, PyObject* arg) {
+PyObject* PySetStallReport(PyObject*, PyObject* arg) {
   return SetWatchdogSeconds(arg, watch_settings.stall_report_seconds);
 }
 
 // The watchdogs' private duplicate of COMM_WORLD, made in Python at
 // COMM_WORLD's first use in the serialized mode.
-PyObject* SetSideChannel(PyObject*, PyObject* arg) {
+PyObject* PySetSideChannel(PyObject*, PyObject* arg) {
   unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return nullptr;
   side_channel.store(HandleFromInteger<MPI_Comm>(handle));
@@ -53,7 +54,7 @@ PyObject* SetSideChannel(PyObject*, PyObject* arg) {
 
 // At import (MPI_THREAD_MULTIPLE): duplicate COMM_WORLD for the side channel
 // without blocking on a rank that never imports mpicoll (rank_state.h).
-PyObject* OpenSideChannel(PyObject*, PyObject*) {
+PyObject* PyOpenSideChannel(PyObject*, PyObject*) {
   NoteWorld();
   side_channel_opening.Begin();
   StartWatchdog();
@@ -69,7 +70,7 @@ PyObject* OpenSideChannel(PyObject*, PyObject*) {
 
 // The side channel's handle once it is open, else None; RuntimeError saying why
 // where its opening failed (a rank lost first: Python raises RankLost).
-PyObject* SideChannelHandle(PyObject*, PyObject*) {
+PyObject* PySideChannelHandle(PyObject*, PyObject*) {
   const MPI_Comm comm = side_channel.load();
   if (comm == MPI_COMM_NULL) {
     if (const std::string failure = side_channel_opening.Failure(); !failure.empty()) {
@@ -99,7 +100,7 @@ PyObject* PyAnnounceEnd(PyObject*, PyObject* args) {
 // its first caller's): every-call checks then leave the site out.  written_as:
 // the collective as the user wrote it where that was not mpicoll's own name
 // ("jax.lax.psum over ('mpicoll.RANKS', 'dev')"), "" otherwise.
-PyObject* DescribeSite(PyObject*, PyObject* args) {
+PyObject* PyDescribeSite(PyObject*, PyObject* args) {
   long long site;
   const char* text;
   int compared = 1;
@@ -137,7 +138,7 @@ PyObject* PyGatherRecords(PyObject*, PyObject* arg) {
 // (threading.main_thread().ident), mpicoll's package folder, and the
 // interpreter, for the watchdog to read Python stacks
 // without the GIL (watch/python_stacks.h).
-PyObject* WatchPythonThreads(PyObject*, PyObject* args) {
+PyObject* PyWatchPythonThreads(PyObject*, PyObject* args) {
   unsigned long main_thread;
   const char* package_dir;
   if (!PyArg_ParseTuple(args, "ks", &main_thread, &package_dir)) return nullptr;
@@ -170,7 +171,7 @@ PyObject* PyStopWatchdog(PyObject*, PyObject*) {
 // directory, temporary directory): with dir "", the job's folder in this
 // user's private folder of the temporary directory (watch/own_files.h), named
 // when the ranks have met; this process's own until then.
-PyObject* SetFlight(PyObject*, PyObject* args) {
+PyObject* PySetFlight(PyObject*, PyObject* args) {
   long long capacity;
   const char* dir;
   const char* temp;
@@ -194,7 +195,7 @@ PyObject* SetFlight(PyObject*, PyObject* args) {
 
 // set_trace(directory, skip=0): start a trace there, each call site's first
 // `skip` calls per device left out ("" = off, nothing written).
-PyObject* SetTrace(PyObject*, PyObject* args) {
+PyObject* PySetTrace(PyObject*, PyObject* args) {
   const char* dir;
   long long skip = 0;
   if (!PyArg_ParseTuple(args, "s|L", &dir, &skip)) return nullptr;
@@ -209,7 +210,7 @@ PyObject* SetTrace(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* SetClockOffset(PyObject*, PyObject* arg) {
+PyObject* PySetClockOffset(PyObject*, PyObject* arg) {
   const long long offset = PyLong_AsLongLong(arg);
   if (offset == -1 && PyErr_Occurred()) return nullptr;
   flight.clock_offset_ns.store(offset);
@@ -218,7 +219,7 @@ PyObject* SetClockOffset(PyObject*, PyObject* arg) {
 
 // set_world_processes([(host, pid), ...]) in rank order (the serialized mode's
 // side channel gathers them in Python).
-PyObject* SetWorldProcessesPy(PyObject*, PyObject* arg) {
+PyObject* PySetWorldProcesses(PyObject*, PyObject* arg) {
   PyObject* items = PySequence_Fast(arg, "set_world_processes: a sequence of (host, pid)");
   if (!items) return nullptr;
   std::vector<ProcessId> all;
@@ -241,7 +242,7 @@ PyObject* SetWorldProcessesPy(PyObject*, PyObject* arg) {
 // The flight records' folder now (it is chosen for the job when the ranks meet).
 // check_folder(path, private root, create) -> "" or why mpicoll would not write
 // there (watch/own_files.h's rule; runtime/own_files.py is its Python twin).
-PyObject* CheckFolder(PyObject*, PyObject* args) {
+PyObject* PyCheckFolder(PyObject*, PyObject* args) {
   const char* path;
   const char* root;
   int create;
@@ -253,11 +254,11 @@ PyObject* CheckFolder(PyObject*, PyObject* args) {
   return PyUnicode_FromString(problem.c_str());
 }
 
-PyObject* PrivateRoot(PyObject*, PyObject*) {
+PyObject* PyPrivateRoot(PyObject*, PyObject*) {
   return PyUnicode_FromString(FolderOf(flight.private_root).c_str());
 }
 
-PyObject* FlightDir(PyObject*, PyObject*) {
+PyObject* PyFlightDir(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> lock(flight.mutex);
   return PyUnicode_FromString(flight.flight_dir.c_str());
 }
@@ -306,7 +307,7 @@ PyObject* PyAbortJob(PyObject*, PyObject* arg) {
 // Python's collective communicator setup, watched like a collective:
 // begin_setup(the call that uses it first, the communicator's name, its
 // members' COMM_WORLD ranks as "0,1,2").
-PyObject* BeginSetup(PyObject*, PyObject* args) {
+PyObject* PyBeginSetup(PyObject*, PyObject* args) {
   const char* call;
   const char* name;
   const char* members;
@@ -325,20 +326,20 @@ PyObject* BeginSetup(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* EndSetup(PyObject*, PyObject*) {
+PyObject* PyEndSetup(PyObject*, PyObject*) {
   in_flight[kSetupSlot].started_ns.store(0);
   Py_RETURN_NONE;
 }
 
 // set_communication_totals(on): count every call's time for the end-of-job
 // summary (watch/totals.h), from now on.
-PyObject* SetCommunicationTotals(PyObject*, PyObject* arg) {
+PyObject* PySetCommunicationTotals(PyObject*, PyObject* arg) {
   return StoreFlag(communication_totals.on, arg);
 }
 
 // communication_totals() -> [(slot, kind, calls, ns, bytes, max_ns)], the slots
 // that made calls.
-PyObject* CommunicationTotalsPy(PyObject*, PyObject*) {
+PyObject* PyCommunicationTotals(PyObject*, PyObject*) {
   PyObject* out = PyList_New(0);
   if (!out) return nullptr;
   for (int slot = 0; slot < kCallSlots; ++slot) {
@@ -365,40 +366,40 @@ PyObject* CommunicationTotalsPy(PyObject*, PyObject*) {
 }  // namespace
 
 PyMethodDef watch_methods[] = {
-    {"set_timeout", SetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
-    {"set_stall_report", SetStallReport, METH_O,
+    {"set_timeout", PySetTimeout, METH_O, "Abort the job if a collective waits longer (0 = off)."},
+    {"set_stall_report", PySetStallReport, METH_O,
      "Report a collective that waits longer than this, for the whole job (0 = off)."},
-    {"set_side_channel", SetSideChannel, METH_O,
+    {"set_side_channel", PySetSideChannel, METH_O,
      "The communicator (handle) the watchdogs ask each other's state on."},
-    {"describe_site", DescribeSite, METH_VARARGS,
+    {"describe_site", PyDescribeSite, METH_VARARGS,
      "(site, where it was traced, whether every-call checks compare it) for reports."},
-    {"set_communication_totals", SetCommunicationTotals, METH_O,
+    {"set_communication_totals", PySetCommunicationTotals, METH_O,
      "Count each call's kind, time and bytes for the end-of-job summary (on/off)."},
-    {"communication_totals", CommunicationTotalsPy, METH_NOARGS,
+    {"communication_totals", PyCommunicationTotals, METH_NOARGS,
      "[(slot, kind, calls, ns, bytes, max ns)] counted so far."},
-    {"set_flight", SetFlight, METH_VARARGS,
+    {"set_flight", PySetFlight, METH_VARARGS,
      "(records kept per device, 0 = off; directory the dumps go to, '' = a folder for the "
      "job under the third argument)."},
-    {"set_trace", SetTrace, METH_VARARGS,
+    {"set_trace", PySetTrace, METH_VARARGS,
      "Start a trace to this directory, each site's first skip calls left out ('' = off)."},
-    {"set_clock_offset", SetClockOffset, METH_O,
+    {"set_clock_offset", PySetClockOffset, METH_O,
      "Rank 0's clock minus this rank's, in ns (written with the records)."},
-    {"set_world_processes", SetWorldProcessesPy, METH_O,
+    {"set_world_processes", PySetWorldProcesses, METH_O,
      "Every rank's (host, pid), in rank order."},
-    {"flight_dir", FlightDir, METH_NOARGS, "The folder flight records are written to now."},
-    {"private_root", PrivateRoot, METH_NOARGS,
+    {"flight_dir", PyFlightDir, METH_NOARGS, "The folder flight records are written to now."},
+    {"private_root", PyPrivateRoot, METH_NOARGS,
      "This user's folder in the temporary directory (the stacks report, the job's records)."},
-    {"check_folder", CheckFolder, METH_VARARGS,
+    {"check_folder", PyCheckFolder, METH_VARARGS,
      "(path, private root, create) -> '' or why mpicoll would not write there."},
     {"gather_records", PyGatherRecords, METH_O,
      "Ask the other ranks for their flight records and write them beside this rank's."},
-    {"watch_python_threads", WatchPythonThreads, METH_VARARGS,
+    {"watch_python_threads", PyWatchPythonThreads, METH_VARARGS,
      "Let the watchdog read this interpreter's stacks (main thread id, package folder)."},
     {"python_stacks", PyPythonStacks, METH_NOARGS,
      "This process's Python stacks as a report prints them."},
-    {"open_side_channel", OpenSideChannel, METH_NOARGS,
+    {"open_side_channel", PyOpenSideChannel, METH_NOARGS,
      "Start opening the watchdogs' side channel (MPI_THREAD_MULTIPLE, at import)."},
-    {"side_channel_handle", SideChannelHandle, METH_NOARGS,
+    {"side_channel_handle", PySideChannelHandle, METH_NOARGS,
      "The side channel's MPI handle once open, else None."},
     {"announce_end", PyAnnounceEnd, METH_VARARGS,
      "(ending, exit code, where): this rank's script finished (1) or its process exits (2)."},
@@ -411,9 +412,9 @@ PyMethodDef watch_methods[] = {
      "the traceback."},
     {"stop_watchdog", PyStopWatchdog, METH_NOARGS,
      "At exit, before MPI is finalized: the watchdog makes no more MPI calls."},
-    {"begin_setup", BeginSetup, METH_VARARGS,
+    {"begin_setup", PyBeginSetup, METH_VARARGS,
      "Watch a collective setup step (MPICOLL_TIMEOUT) described by the argument."},
-    {"end_setup", EndSetup, METH_NOARGS, "End the watched setup step."},
+    {"end_setup", PyEndSetup, METH_NOARGS, "End the watched setup step."},
     {"abort_job", PyAbortJob, METH_O,
      "Abort every rank with this exit code, after letting the launcher forward stderr."},
     {nullptr, nullptr, 0, nullptr}};

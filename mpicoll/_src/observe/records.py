@@ -1,4 +1,5 @@
-"""Reading the flight recorder's dumps and the timeline (csrc/watch/flight.h).
+"""Reading the flight recorder's dumps and the timeline (csrc/watch/flight.h, written by
+records_file.h).
 
 Both are one file per rank, `rank<r>.json`: a Chrome trace whose collective
 events carry every field of the record in "args" (sequence number on its

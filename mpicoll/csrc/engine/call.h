@@ -30,7 +30,7 @@ struct Call {
   MPI_Comm comm;
   MPI_Comm internal_comm;  // see DeviceComm::internal
   // comm's table key (generation and slot): what the watchdog's sequence numbers
-  // and the records' communicator identity are kept by (guard.h), since MPI
+  // and the records' communicator identity are kept by (watch/in_flight.h), since MPI
   // hands a freed communicator's handle to the next one it makes.
   int64_t comm_key;
   int rank;

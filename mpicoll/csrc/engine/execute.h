@@ -61,7 +61,7 @@ struct NothingBeforeRun {
 // whether any pair disagrees, so all of them fail together.
 inline int VerifyPairCounts(const Call& c) {
   std::vector<int64_t> incoming(c.size);
-  // On the checks' communicator, like every check (guard.h's CheckComm).
+  // On the checks' communicator, like every check (watch/check.h's CheckComm).
   const MPI_Comm comm = c.internal_comm != MPI_COMM_NULL ? c.internal_comm : c.comm;
   int rc = MPI_Alltoall(c.args + 1, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T, comm);
   int wrong = -1;
@@ -102,7 +102,7 @@ ffi::Error CheckCall(const Call& c, int32_t device, const CheckPlan& plan,
 }
 
 // Every-call checks of a small allreduce on host memory carry its data: the
-// check's records (guard.h) hold every rank's block, and each rank reduces them
+// check's records (watch/check.h) hold every rank's block, and each rank reduces them
 // in rank order with MPI's own operators (MPI_Reduce_local), so the check is
 // the collective: no second MPI call per call (a jitted loop of 4-byte
 // allreduces, MPICH, 2 ranks: 1.0-1.1x the unchecked loop, against 2.5x as two

@@ -41,7 +41,7 @@ constexpr uint64_t kRequestMagic = 0x6d70636f6c6c5271ull;  // "mpcollRq"
 struct CommBox {
   uint64_t magic = kCommMagic;
   MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm internal = MPI_COMM_NULL;  // the checks' duplicate (guard.h's CheckComm)
+  MPI_Comm internal = MPI_COMM_NULL;  // the checks' duplicate (watch/check.h's CheckComm)
   int rank = -1, size = 0;
   int64_t key = 0;  // the watch's key for it: 1, 2, ... (never reused)
   int slot = kXlaSlot;  // its watch slot (kXlaSlot + key % kXlaSlots)

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "../engine/call.h"
+#include "../watch/call_sites.h"
 #include "../watch/guard.h"
 #include "../watch/rank_state.h"
 #include "xla_handles.h"

@@ -21,7 +21,7 @@
 
 #include "../engine/call.h"
 #include "../engine/dtypes.h"
-#include "flight.h"
+#include "records_file.h"
 #include "guard.h"
 #include "python_stacks.h"
 #include "side_channel.h"

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "call_sites.h"
 #include "guard.h"
 #include "rank_state.h"
 

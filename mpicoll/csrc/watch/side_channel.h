@@ -23,7 +23,8 @@
 #include <vector>
 
 #include "../engine/call.h"
-#include "flight.h"
+#include "records_file.h"
+#include "serialized.h"
 
 namespace mpicoll {
 inline std::atomic<MPI_Comm> side_channel{MPI_COMM_NULL};  // set once it is open

@@ -1,5 +1,5 @@
 // The watchdog: a thread per process that watches what the local devices are
-// in (guard.h's in_flight) and, when a collective waits,
+// in (in_flight.h's in_flight) and, when a collective waits,
 //   * after half a second, and again with back-off, asks every rank what it
 //     is doing (rank_state.h) and ends the job at once, with one report
 //     naming every rank's state, when the wait can never end: another rank is
@@ -34,7 +34,9 @@
 #include "../engine/dtypes.h"
 #include "guard.h"
 #include "rank_state.h"
+#include "records_file.h"
 #include "reports.h"
+#include "signals.h"
 
 namespace mpicoll {
 
