@@ -165,7 +165,8 @@ class MPIBuildExt(build_ext):
 # several) and the headers and tables they include.
 CSRC = "mpicoll/csrc"
 SOURCES = [f"{CSRC}/{name}" for name in (
-    "module.cc", "module_watch.cc", "entries/cpu.cc", "entries/cuda.cc",
+    "module.cc", "module_watch.cc", "module_tables.cc", "module_survive.cc",
+    "module_testing.cc", "entries/cpu.cc", "entries/cuda.cc",
     "entries/host_staged.cc", "meeting/meeting.cc", "mpiabi/jax_calls.cc")]
 # The MPI ABI library for jaxlib's MPItrampoline (JAX's own CPU collectives on
 # mpicoll's MPI): built as an extension for its place in the package, though

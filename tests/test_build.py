@@ -139,6 +139,36 @@ CUDA_UNITS = ["mpicoll/csrc/entries/cuda.cc", "mpicoll/csrc/module.cc"]
 # them compiling on every machine that has cuda.h, without a GPU or a full build
 # (a syntax check of the two units that define CUDA code, ~15 s on 2 busy cores).
 @serial_only
+def test_every_function_python_calls_is_bound_and_named_by_the_rule():
+    """The module's units each bind one concern (csrc/module_parts.h) and module.cc
+    joins their tables: every function of the extension that mpicoll, its tests or
+    its benchmarks call is in the built module (those under MPICOLL_CUDA where it
+    is built with CUDA), and each binding is named Py + the Python name in
+    CamelCase (docs/design.md), so a binding is found from its name."""
+    import re
+
+    row = r'\{"(\w+)",\s*(\w+),\s*METH'
+    units = [unit.read_text() for unit in (REPO / "mpicoll" / "csrc").rglob("*.cc")]
+    rows = [found for text in units for found in re.findall(row, text)]
+    cuda_only = {name for text in units
+                 for block in re.findall(r"#ifdef MPICOLL_CUDA\n(.*?)#endif", text, re.S)
+                 for name, _ in re.findall(row, block)}
+    assert len(rows) > 50, rows
+    misnamed = [(name, binding) for name, binding in rows
+                if binding != "Py" + "".join(w.capitalize() for w in name.strip("_").split("_"))]
+    assert not misnamed, misnamed
+    assert len({name for name, _ in rows}) == len(rows), "a name bound twice"
+    sources = [*(REPO / "mpicoll").rglob("*.py"), *(REPO / "tests").rglob("*.py"),
+               *(REPO / "benchmarks").rglob("*.py")]
+    called = {name for source in sources
+              for name in re.findall(r"\bextension\.(\w+)", source.read_text())} - {"__file__"}
+    assert called, "no call of the extension found"
+    expected = called if "cuda" in BUILT["platforms"] else called - cuda_only
+    missing = sorted(name for name in expected if not hasattr(extension, name))
+    assert not missing, f"called but not bound: {missing}"
+    assert called <= {name for name, _ in rows}
+
+
 def test_cuda_entry_points_compile(monkeypatch):
     build = _build_helpers()
     include = build.find_cuda_include()

@@ -1,14 +1,17 @@
 // The CPython module `mpicoll._mpicoll_ffi_<mpi>` (one per MPI family, setup.py):
-// the FFI targets' registrations,
-// set-up (initialize, register_comm), settings (check mode, serialized MPI,
-// GPU transport), and the tables as Python data (reduction_ops(),
-// collectives(), op_codes()); module_watch.cc has the functions for watching
-// the job (timeouts, stall reports, aborts, flight records, the timeline).
+// the FFI targets' registrations, set-up (initialize, register_comm, the
+// device ordinals), and settings (check mode, serialized MPI, GPU transport,
+// the meeting's pieces); the other units bind one concern each and module.cc
+// joins their tables to its own (module_parts.h).
 //
 // How the extension is built: several translation units, listed in setup.py
 // and linked into this one module:
 //   module.cc              this file
 //   module_watch.cc        the module's functions for watching the job
+//   module_tables.cc       the extension's tables as Python data
+//   module_survive.cc      surviving a lost rank
+//   module_testing.cc      hooks for tests alone
+//   mpiabi/jax_calls.cc    JAX's own collectives on mpicoll's MPI (XLA's calls)
 //   entries/cpu.cc         CPU handlers (data, fused, overlapped), the barrier
 //   entries/cuda.cc        CUDA handlers (empty without MPICOLL_CUDA)
 //   entries/host_staged.cc the staged GPU pipeline on host memory, for tests
@@ -30,12 +33,9 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "engine/algorithms.h"
@@ -44,12 +44,9 @@
 #include "engine/dtypes.h"
 #include "watch/guard.h"
 #include "engine/reduce_ops.h"
-#include "engine/test_kill.h"
-#include "meeting/kinds.def"
 #include "entries/entries.h"
-#include "module_watch.h"
+#include "module_parts.h"
 #include "mpiabi/jax_calls.h"
-#include "ops.def"
 #include "xla/ffi/api/ffi.h"
 #ifdef MPICOLL_CUDA
 #include "memory/cuda_driver.h"
@@ -228,215 +225,6 @@ PyObject* PyCudaAwareMpi(PyObject*, PyObject*) {
 #endif
 }
 
-// Survival of a lost rank (ULFM: docs/surviving.md): whether this MPI can (MPIX_Comm_revoke
-// and its error classes compiled in), and whether a call has seen a rank die.
-PyObject* PyFaultTolerance(PyObject*, PyObject*) {
-#if defined(MPIX_ERR_PROC_FAILED) && defined(MPIX_ERR_REVOKED)
-  const bool built = true;
-#else
-  const bool built = false;
-#endif
-  return Py_BuildValue("{s:O,s:O,s:i}", "built", built ? Py_True : Py_False, "rank_lost",
-                       rank_lost.load() ? Py_True : Py_False, "recoveries", recoveries.load());
-}
-
-// rank_lost_failure(error_code, handles): whether an MPI error code Python met
-// (mpi4py's MPI.Exception, from a communicator's set-up) says a process failed
-// or a communicator was revoked.  If so, the communicators in `handles` are
-// revoked as well as every one mpicoll talks on (RankLostFailure), so that
-// every survivor, wherever it waits, wakes to the same RankLost.
-PyObject* PyRankLostFailure(PyObject*, PyObject* args) {
-  int code = 0;
-  PyObject* handles = nullptr;
-  if (!PyArg_ParseTuple(args, "iO", &code, &handles)) return nullptr;
-  PyObject* seq = PySequence_Fast(handles, "mpicoll: handles must be a sequence of integers");
-  if (!seq) return nullptr;
-  std::vector<MPI_Comm> comms;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    const unsigned long long handle =
-        PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
-    if (PyErr_Occurred()) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    comms.push_back(HandleFromInteger<MPI_Comm>(handle));
-  }
-  Py_DECREF(seq);
-  bool lost = false;
-  for (MPI_Comm comm : comms) lost = RankLostFailure(comm, code) || lost;
-  if (comms.empty()) lost = RankLostFailure(MPI_COMM_NULL, code);
-  return PyBool_FromLong(lost);
-}
-
-// mpicoll.shrink() has gone on with the survivors: the next failure revokes
-// every communicator again (call.h, RankLostFailure).
-PyObject* PyFaultRecovered(PyObject*, PyObject*) {
-  rank_lost.store(false);
-  recoveries.fetch_add(1);
-  Py_RETURN_NONE;
-}
-
-// At exit after a survived failure: Open MPI's MPI_Finalize may wait forever for
-// the dead process (seen in about 1 run in 6 under load, in ompi_mpi_finalize), so
-// a native thread ends the process with its exit status if finalizing takes
-// longer than `seconds` (a Python thread cannot: finalization holds the GIL).
-PyObject* PyExitAfter(PyObject*, PyObject* args) {
-  double seconds = 0;
-  int status = 0;
-  if (!PyArg_ParseTuple(args, "di", &seconds, &status)) return nullptr;
-  std::thread([seconds, status] {
-    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-    std::fflush(nullptr);
-    std::_Exit(status);
-  }).detach();
-  Py_RETURN_NONE;
-}
-
-// The reduction operators by name, so Python never duplicates the numbering.
-PyObject* PyOpCodes(PyObject*, PyObject*) {
-  PyObject* codes = PyDict_New();
-  for (int64_t code = 0; codes && code < kNumOps; ++code) {
-    PyObject* value = PyLong_FromLongLong(code);
-    if (!value || PyDict_SetItemString(codes, kReduceOps[code].name, value) < 0) Py_CLEAR(codes);
-    Py_XDECREF(value);
-  }
-  return codes;
-}
-
-// reduce_ops.def as Python data: name -> (code, the dtype families it is defined for).
-PyObject* PyReductionOps(PyObject*, PyObject*) {
-  PyObject* ops = PyDict_New();
-  for (int64_t code = 0; ops && code < kNumOps; ++code) {
-    const ReduceOpFacts& facts = kReduceOps[code];
-    PyObject* families = PyList_New(0);
-    const std::pair<bool, const char*> valid[] = {{facts.bool_, "bool"},
-                                                  {facts.integer, "integer"},
-                                                  {facts.floating, "floating"},
-                                                  {facts.complex, "complex"}};
-    for (const auto& [is_valid, family] : valid) {
-      if (!families || !is_valid) continue;
-      PyObject* text = PyUnicode_FromString(family);
-      if (!text || PyList_Append(families, text) < 0) Py_CLEAR(families);
-      Py_XDECREF(text);
-    }
-    PyObject* row = families ? Py_BuildValue("(LN)", static_cast<long long>(code),
-                                             PyList_AsTuple(families))
-                             : nullptr;
-    Py_XDECREF(families);
-    if (!row || PyDict_SetItemString(ops, facts.name, row) < 0) Py_CLEAR(ops);
-    Py_XDECREF(row);
-  }
-  return ops;
-}
-
-// dtypes.def as Python data: numpy's name -> the dtype family (in the table's order).
-PyObject* PyDtypes(PyObject*, PyObject*) {
-  PyObject* dtypes = PyDict_New();
-#define MPICOLL_DTYPE_ROW(xla, name, mpi, family)                          \
-  if (dtypes) {                                                            \
-    PyObject* text = PyUnicode_FromString(family);                         \
-    if (!text || PyDict_SetItemString(dtypes, name, text) < 0) Py_CLEAR(dtypes); \
-    Py_XDECREF(text);                                                      \
-  }
-  MPICOLL_DTYPES(MPICOLL_DTYPE_ROW)
-#undef MPICOLL_DTYPE_ROW
-  return dtypes;
-}
-
-const char* FamilyName(Family family) {
-  switch (family) {
-    case kBlocks: return "blocks";
-    case kVector: return "vector";
-    case kVectorPairs: return "vector_pairs";
-    case kPeer: return "peer";
-  }
-  return "?";
-}
-
-const char* ZerosName(Zeros zeros) {
-  switch (zeros) {
-    case kNever: return "never";
-    case kOffRoot: return "off_root";
-    case kOnRankZero: return "on_rank_zero";
-    case kFromProcNull: return "from_proc_null";
-  }
-  return "?";
-}
-
-// ops.def as Python data: name -> the row's facts.
-PyObject* PyCollectives(PyObject*, PyObject*) {
-  PyObject* collectives = PyDict_New();
-#define MPICOLL_COLLECTIVE_FACTS(Type, ...)                                                    \
-  if (collectives) {                                                                          \
-    PyObject* row = Py_BuildValue(                                                            \
-        "{s:s,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:s}", "family", FamilyName(Type::kFamily),           \
-        "reduces", Type::kReduces ? Py_True : Py_False, "rooted",                              \
-        Type::kRooted ? Py_True : Py_False, "blocks_in", Type::kBlocksIn ? Py_True : Py_False, \
-        "blocks_out", Type::kBlocksOut ? Py_True : Py_False, "in_place",                       \
-        Type::kInPlace ? Py_True : Py_False, "root_input",                                     \
-        Type::kRootInput ? Py_True : Py_False, "chunked", Type::kChunked ? Py_True : Py_False, \
-        "zeros", ZerosName(Type::kZeros));                                                      \
-    if (!row || PyDict_SetItemString(collectives, Type::kName, row) < 0) Py_CLEAR(collectives); \
-    Py_XDECREF(row);                                                                          \
-  }
-  MPICOLL_OPS(MPICOLL_COLLECTIVE_FACTS)
-#undef MPICOLL_COLLECTIVE_FACTS
-  return collectives;
-}
-
-// Test only: (collective, comm handle, dtype name, x, out, root, op, chunk bytes)
-// runs the GPU staging pipeline on host arrays (entries/host_staged.cc).
-PyObject* PyRunStagedOnHost(PyObject*, PyObject* args) {
-  const char* name;
-  unsigned long long handle;
-  const char* dtype_name;
-  Py_buffer x, out;
-  int root;
-  long long op;
-  unsigned long long chunk_bytes;
-  if (!PyArg_ParseTuple(args, "sKsy*w*iLK", &name, &handle, &dtype_name, &x, &out, &root, &op,
-                        &chunk_bytes)) {
-    return nullptr;
-  }
-  const ffi::DataType dtype = DtypeFromName(dtype_name);
-  std::string error = dtype == ffi::DataType::INVALID ? "mpicoll: unsupported dtype" : "";
-  if (error.empty()) {
-    const size_t elem_bytes = ffi::ByteWidth(dtype);
-    char* in_data = static_cast<char*>(x.buf);
-    char* out_data = static_cast<char*>(out.buf);
-    const size_t in_count = static_cast<size_t>(x.len) / elem_bytes;
-    const size_t out_count = static_cast<size_t>(out.len) / elem_bytes;
-    Py_BEGIN_ALLOW_THREADS
-    error = RunStagedOnHost(name, HandleFromInteger<MPI_Comm>(handle), dtype, in_data, in_count,
-                            out_data, out_count, root, op, static_cast<size_t>(chunk_bytes));
-    Py_END_ALLOW_THREADS
-  }
-  PyBuffer_Release(&x);
-  PyBuffer_Release(&out);
-  if (!error.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, error.c_str());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-// The dtypes whose sum uses mpicoll's wrapping operator instead of MPI_SUM.
-PyObject* PyReplacedSums(PyObject*, PyObject*) {
-  PyObject* names = PyList_New(0);
-  if (!names) return nullptr;
-  for (int i = 0; i < kNumNarrowInts; ++i) {
-    if (wrapping_sums[i] == MPI_OP_NULL) continue;
-    PyObject* name = PyUnicode_FromString(kNarrowIntNames[i]);
-    if (!name || PyList_Append(names, name) < 0) {
-      Py_XDECREF(name);
-      Py_DECREF(names);
-      return nullptr;
-    }
-    Py_DECREF(name);
-  }
-  return names;
-}
-
 PyObject* PySetCheckMode(PyObject*, PyObject* arg) {
   long mode = PyLong_AsLong(arg);
   if (mode == -1 && PyErr_Occurred()) return nullptr;
@@ -457,14 +245,6 @@ PyObject* PyPairwiseReduceScatter(PyObject*, PyObject* args) {
   if (min_block >= 0) pairwise_min_block_bytes.store(static_cast<size_t>(min_block));
   if (segment > 0) pairwise_segment_bytes.store(static_cast<size_t>(segment));
   return Py_BuildValue("(KK)", old_min, old_segment);
-}
-
-// Test only: seconds to wait after a comparison that found a mismatch (see watch/check.h).
-PyObject* PyPauseAfterMismatch(PyObject*, PyObject* args) {
-  double seconds = 0;
-  if (!PyArg_ParseTuple(args, "d", &seconds)) return nullptr;
-  watch_settings.pause_after_mismatch.store(seconds);
-  Py_RETURN_NONE;
 }
 
 PyObject* PyMeetingTurns(PyObject*, PyObject*) {
@@ -512,20 +292,6 @@ PyObject* PySetSerializedMpi(PyObject*, PyObject* arg) {
   return StoreFlag(serialized_mpi.on, arg);
 }
 
-// Python: meeting_kinds() -> {name: (code, rows_in)}, meeting/kinds.def's rows.
-PyObject* PyMeetingKinds(PyObject*, PyObject*) {
-  PyObject* kinds = PyDict_New();
-#define MPICOLL_MEETING_KIND_ROW(Enum, Type, name, code, rows_in, reduces)               \
-  if (kinds) {                                                                          \
-    PyObject* value = Py_BuildValue("(iO)", code, (rows_in) ? Py_True : Py_False);      \
-    if (!value || PyDict_SetItemString(kinds, name, value) < 0) Py_CLEAR(kinds);       \
-    Py_XDECREF(value);                                                                  \
-  }
-  MPICOLL_MEETING_KINDS(MPICOLL_MEETING_KIND_ROW)
-#undef MPICOLL_MEETING_KIND_ROW
-  return kinds;
-}
-
 // Python: set_gather_pieces(pieces: int), 0 = automatic (meeting/meeting.cc).
 PyObject* PySetGatherPieces(PyObject*, PyObject* arg) {
   const long pieces = PyLong_AsLong(arg);
@@ -570,22 +336,8 @@ PyMethodDef methods[] = {
      "How many times this process has compared a call across ranks."},
     {"compare_call", PyCompareCall, METH_VARARGS,
      "(slot, device, description) -> '' if every rank passed the same, else the mismatch."},
-    {"op_codes", PyOpCodes, METH_NOARGS, "Reduction operator name -> code used by the handlers."},
-    {"reduction_ops", PyReductionOps, METH_NOARGS,
-     "Reduction operator name -> (code, the dtype families it is defined for), from reduce_ops.def."},
-    {"dtypes", PyDtypes, METH_NOARGS,
-     "numpy dtype name -> its family (bool, integer, floating, complex), from dtypes.def."},
-    {"collectives", PyCollectives, METH_NOARGS,
-     "Collective name -> its row of ops.def (family, reduces, rooted, blocks_in, ...)."},
-    {"_pause_after_mismatch", PyPauseAfterMismatch, METH_VARARGS,
-     "Test only: seconds this rank waits after a comparison that found a mismatch."},
-    {"_run_staged_on_host", PyRunStagedOnHost, METH_VARARGS,
-     "Test only: (collective, comm handle, dtype, x, out, root, op, chunk bytes) runs the GPU "
-     "staging pipeline on host arrays."},
     {"registrations", PyRegistrations, METH_VARARGS,
      "FFI target name -> handler capsule for a platform ('cpu' or 'cuda')."},
-    {"meeting_kinds", PyMeetingKinds, METH_NOARGS,
-     "Local meeting kind name -> (code, rows_in): meeting/kinds.def's rows."},
     {"meeting_turns", PyMeetingTurns, METH_NOARGS,
      "This process's local meeting turns: (ended on XLA's thread, handed to the progress "
      "thread past the bound, queued whole)."},
@@ -605,29 +357,19 @@ PyMethodDef methods[] = {
      "Map XLA's device ordinals to local device indices: [(ordinal, index), ...]."},
     {"unregister_comm", PyUnregisterComm, METH_VARARGS, "Empty a slot (its communicator was freed)."},
     {"build_info", PyBuildInfo, METH_NOARGS, "The MPI this extension was compiled against."},
-    {"exit_after", PyExitAfter, METH_VARARGS,
-     "exit_after(seconds, status): end the process then, if it has not ended."},
-    {"fault_recovered", PyFaultRecovered, METH_NOARGS,
-     "After mpicoll.shrink(): the next failure revokes every communicator again."},
-    {"fault_tolerance", PyFaultTolerance, METH_NOARGS,
-     "{'built': ULFM's calls compiled in, 'rank_lost': a call saw a process die, "
-     "'recoveries': shrinks so far}."},
-    {"rank_lost_failure", PyRankLostFailure, METH_VARARGS,
-     "rank_lost_failure(error_code, comm_handles): whether the code says a process failed "
-     "(then every communicator, these too, is revoked)."},
     {"cuda_aware_mpi", PyCudaAwareMpi, METH_NOARGS,
      "True/False: whether MPI accepts CUDA device buffers; None: this MPI cannot tell."},
     {"set_serialized_mpi", PySetSerializedMpi, METH_O,
      "True: mpicoll's MPI calls take one lock (MPI_THREAD_SERIALIZED mode)."},
-    {"replaced_sums", PyReplacedSums, METH_NOARGS,
-     "Dtypes whose MPI_SUM saturates in this MPI and is replaced by a wrapping operator."},
     {nullptr, nullptr, 0, nullptr}};
 
-// This file's table and module_watch.cc's, as one (the module keeps a pointer to it).
+// This file's table and the other units' (module_parts.h), as one (the module keeps a
+// pointer to it).
 PyMethodDef* AllMethods() {
   static std::vector<PyMethodDef> all = [] {
     std::vector<PyMethodDef> joined;
-    for (const PyMethodDef* table : {methods, watch_methods, jax_mpi_methods}) {
+    for (const PyMethodDef* table : {methods, watch_methods, table_methods, survive_methods,
+                                     testing_methods, jax_mpi_methods}) {
       for (const PyMethodDef* m = table; m->ml_name; ++m) joined.push_back(*m);
     }
     joined.push_back({nullptr, nullptr, 0, nullptr});

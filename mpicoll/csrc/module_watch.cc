@@ -21,7 +21,7 @@
 #include "watch/records_file.h"
 #include "watch/guard.h"
 #include "watch/watchdog.h"
-#include "module_watch.h"
+#include "module_parts.h"
 
 namespace mpicoll {
 namespace {

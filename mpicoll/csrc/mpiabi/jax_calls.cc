@@ -388,7 +388,7 @@ mpiabi::ConnectFunction LoadedLibrary(const char* path, void** library, std::str
 
 // jax_mpi_library_problem(path) -> "" where the library at `path` is loaded
 // and connectable, else why not (no MPI call: each rank asks for itself).
-PyObject* JaxMpiLibraryProblem(PyObject*, PyObject* arg) {
+PyObject* PyJaxMpiLibraryProblem(PyObject*, PyObject* arg) {
   const char* path = PyUnicode_AsUTF8(arg);
   if (!path) return nullptr;
   void* library = nullptr;
@@ -400,7 +400,7 @@ PyObject* JaxMpiLibraryProblem(PyObject*, PyObject* arg) {
 // connect_jax_mpi(path, local_devices) -> "" or why not: hands the calls to the library at
 // `path` (loaded: jax_mpi_library_problem said so on every rank), after
 // duplicating COMM_WORLD for XLA (collective: every rank calls it).
-PyObject* ConnectJaxMpi(PyObject*, PyObject* args) {
+PyObject* PyConnectJaxMpi(PyObject*, PyObject* args) {
   const char* path = nullptr;
   int local_devices = 1;
   if (!PyArg_ParseTuple(args, "si", &path, &local_devices)) return nullptr;
@@ -441,10 +441,10 @@ PyObject* ConnectJaxMpi(PyObject*, PyObject* args) {
 }  // namespace
 
 PyMethodDef jax_mpi_methods[] = {
-    {"jax_mpi_library_problem", JaxMpiLibraryProblem, METH_O,
+    {"jax_mpi_library_problem", PyJaxMpiLibraryProblem, METH_O,
      "(path of mpicoll's MPI ABI library) -> '' where jaxlib's trampoline loaded it, else why "
      "not."},
-    {"connect_jax_mpi", ConnectJaxMpi, METH_VARARGS,
+    {"connect_jax_mpi", PyConnectJaxMpi, METH_VARARGS,
      "(path of mpicoll's MPI ABI library, local CPU devices) -> '' or why JAX's CPU "
      "collectives cannot run on mpicoll's MPI; collective."},
     {nullptr, nullptr, 0, nullptr},
